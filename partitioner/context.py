@@ -1,0 +1,28 @@
+"""What every pass reads and writes besides the graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .mesh import MeshSpec
+from .trace import GraphInput
+
+
+@dataclass
+class PassContext:
+    mesh: MeshSpec
+    inputs: list[GraphInput]  # what each placeholder of the graph is, in placeholder order
+    plan: dict[str, str] = field(default_factory=dict)  # user overrides, diffusers `_tp_plan` key syntax
+    # Filled by the passes:
+    linear_styles: dict[str, str] = field(default_factory=dict)  # module path -> colwise / rowwise / replicate
+    replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
+    slice_specs: dict[str, dict] = field(default_factory=dict)  # tensor FQN -> {axis: placement} (localize)
+    attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
+
+    def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.inputs):
+            raise AssertionError(f"graph has {len(placeholders)} placeholders, signature {len(self.inputs)}")
+        return dict(zip(placeholders, self.inputs))

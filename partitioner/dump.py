@@ -1,0 +1,83 @@
+"""Pass-by-pass dumps: the graph as readable code with placements, a summary, and a diff against the pass before.
+
+Files, numbered in pass order (``00_export`` is the traced graph):
+    NN_<pass>.py        the graph's code; each line ends with ``# tp=S(2)``-style placements where planned
+    NN_<pass>.txt       node count, collectives by kind, per-rank parameter bytes
+    NN_<pass>.diff      unified diff of the code against the previous pass
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import Counter
+from pathlib import Path
+
+from torch.fx import GraphModule
+
+from .context import PassContext
+from .placement import shorthand
+from .report import build_report
+
+_ASSIGNMENT = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
+
+
+def _placement_comment(node) -> str:
+    placements = node.meta.get("placements")
+    if not placements:
+        return ""
+    parts = []
+    for axis, placement in placements.items():
+        text = "(" + ", ".join(map(shorthand, placement)) + ")" if isinstance(placement, tuple) else shorthand(placement)
+        parts.append(f"{axis}={text}")
+    return "  # " + " ".join(parts)
+
+
+def graph_code(gm: GraphModule) -> str:
+    """The graph as Python with shapes (per rank after localize) and each value's placements."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    lines = []
+    for line in code.splitlines():
+        match = _ASSIGNMENT.match(line)
+        lines.append(line + _placement_comment(nodes[match.group(1)]) if match and match.group(1) in nodes else line)
+    return "\n".join(lines) + "\n"
+
+
+def summary(gm: GraphModule, ctx: PassContext) -> str:
+    report = build_report(gm, ctx)
+    ops = Counter(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+    collectives = Counter()
+    for c in report.collectives:
+        collectives[f"{c.kind}[{c.axis}]"] += c.count
+    lines = [f"nodes: {len(gm.graph.nodes)}",
+             "collectives: " + (", ".join(f"{kind} x{n}" for kind, n in sorted(collectives.items())) or "none"),
+             f"parameter bytes per rank: {report.total_parameter_bytes} "
+             f"({', '.join(f'{k}={v}' for k, v in sorted(report.parameter_bytes.items()))})",
+             "ops: " + ", ".join(f"{op} x{n}" for op, n in ops.most_common())]
+    return "\n".join(lines) + "\n"
+
+
+class Dumper:
+    """Writes one set of files per pass into ``directory``; does nothing when ``directory`` is None."""
+
+    def __init__(self, directory: str | Path | None):
+        self.directory = Path(directory) if directory else None
+        self.previous = ""
+        self.index = 0
+        if self.directory:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str, gm: GraphModule, ctx: PassContext) -> None:
+        if self.directory is None:
+            return
+        stem = self.directory / f"{self.index:02d}_{name}"
+        code = graph_code(gm)
+        stem.with_suffix(".py").write_text(code)
+        stem.with_suffix(".txt").write_text(summary(gm, ctx))
+        if self.index:
+            diff = difflib.unified_diff(self.previous.splitlines(keepends=True), code.splitlines(keepends=True),
+                                        fromfile="previous", tofile=f"{self.index:02d}_{name}")
+            stem.with_suffix(".diff").write_text("".join(diff))
+        self.previous = code
+        self.index += 1

@@ -1,0 +1,116 @@
+"""The mesh a partition is planned for: axis names and sizes, this rank's coordinate, and its process groups.
+
+Two ways in:
+
+- a ``torch.distributed.device_mesh.DeviceMesh`` (real ranks, or PyTorch's fake process group for planning large
+  meshes in one process): the graph's collectives name the mesh's real process groups;
+- a mapping of axis sizes such as ``{"tp": 8}`` plus a ``rank``: planning only, no process group is needed; the
+  collectives name symbolic groups (``"plan:tp"``) and the partition cannot be run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+KNOWN_AXES = ("tp", "ulysses")
+# Axes this version can shard along; "ulysses" is accepted by the mesh but not yet planned.
+SUPPORTED_AXES = ("tp",)
+
+
+class MeshError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    rank: int
+    group_names: Mapping[str, str] | None  # None: planning only
+    device_type: str = "cpu"
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    @property
+    def runnable(self) -> bool:
+        return self.group_names is not None
+
+    def size(self, axis: str) -> int:
+        return self.sizes.get(axis, 1)
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along ``axis`` (meshes fill row-major, the last axis fastest)."""
+        if axis not in self.axis_names:
+            return 0
+        coords = torch.arange(self.world_size).reshape(self.axis_sizes)
+        position = (coords == self.rank).nonzero()[0]
+        return int(position[self.axis_names.index(axis)])
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every process group along ``axis``, as lists of global ranks."""
+        ranks = torch.arange(self.world_size).reshape(self.axis_sizes)
+        dim = self.axis_names.index(axis)
+        return ranks.movedim(dim, -1).reshape(-1, self.axis_sizes[dim]).tolist()
+
+    def group_name(self, axis: str) -> str:
+        return self.group_names[axis] if self.group_names is not None else f"plan:{axis}"
+
+    def __str__(self) -> str:
+        shape = " x ".join(f"{name}={size}" for name, size in zip(self.axis_names, self.axis_sizes))
+        return f"mesh({shape}) rank {self.rank}"
+
+
+def _check_axis_names(names) -> None:
+    for name in names:
+        if name not in KNOWN_AXES:
+            raise MeshError(f"unknown mesh dim name {name!r}: use names from {list(KNOWN_AXES)}")
+        if name not in SUPPORTED_AXES:
+            raise MeshError(f"mesh dim {name!r} is not supported by this version yet; supported: {list(SUPPORTED_AXES)}")
+    if len(set(names)) != len(names):
+        raise MeshError(f"mesh dim names repeat: {list(names)}")
+
+
+def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
+    """Normalise a DeviceMesh or a mapping of axis sizes into a ``MeshSpec``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names
+        if not names:
+            raise MeshError(f"the DeviceMesh needs mesh_dim_names from {list(KNOWN_AXES)}, e.g. "
+                            "init_device_mesh('cpu', (2,), mesh_dim_names=('tp',))")
+        _check_axis_names(names)
+        world = torch.distributed.get_world_size()
+        if mesh.mesh.numel() != world:
+            raise MeshError(f"the mesh covers {mesh.mesh.numel()} ranks ({dict(zip(names, mesh.mesh.shape))}) but "
+                            f"the world has {world}: sub-meshes are not supported")
+        if mesh.mesh.flatten().tolist() != list(range(world)):
+            raise MeshError(f"the mesh must list ranks 0..{world - 1} in row-major order, got {mesh.mesh.tolist()}")
+        return MeshSpec(
+            axis_names=tuple(names),
+            axis_sizes=tuple(mesh.mesh.shape),
+            rank=torch.distributed.get_rank(),
+            group_names={name: mesh.get_group(name).group_name for name in names},
+            device_type=mesh.device_type,
+        )
+    if isinstance(mesh, Mapping):
+        names = tuple(mesh)
+        _check_axis_names(names)
+        sizes = tuple(int(mesh[name]) for name in names)
+        if any(size < 1 for size in sizes):
+            raise MeshError(f"mesh axis sizes must be >= 1, got {dict(mesh)}")
+        world = math.prod(sizes)
+        if not 0 <= rank < world:
+            raise MeshError(f"rank {rank} is outside the mesh {dict(mesh)} of {world} ranks")
+        return MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None)
+    raise MeshError(f"mesh must be a DeviceMesh or a mapping of axis sizes such as {{'tp': 2}}, got {type(mesh).__name__}")

@@ -1,0 +1,147 @@
+"""annotate_heads: find every attention, its projections and head reshapes; make head reshapes head_dim-based.
+
+Requires: an exported aten graph with ``meta["val"]`` on every tensor node (global shapes).
+Guarantees:
+- every ``aten.scaled_dot_product_attention`` node, the reshapes that split its q/k/v into heads and merge its
+  output back, and the linears that project q/k/v and the output, carry ``meta["heads"]`` (a ``HeadInfo``);
+- every head-splitting reshape names ``head_dim`` and leaves the head count to be inferred (``-1``), so a rank that
+  holds ``heads / tp`` heads reshapes into the right head_dim. (diffusers reshapes by the configured head count,
+  ``unflatten(-1, (attn.heads, -1))``, which on a column shard silently yields ``head_dim / tp`` channels.)
+The graph computes the same function as before: on full-size tensors both reshapes are identical.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..context import PassContext
+from ..rules import shape_of
+
+aten = torch.ops.aten
+
+# Ops a head-split tensor passes through between its reshape and attention (per-head norm, rotary, layout).
+_HEAD_LOCAL = {
+    aten.permute.default, aten.transpose.int, aten.rms_norm.default, aten.layer_norm.default, aten.contiguous.default,
+    aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.clone.default, aten.cat.default,
+    aten.slice.Tensor, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.chunk.default,
+}
+_RESHAPES = {aten.unflatten.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_MERGES = _RESHAPES | {aten.flatten.using_ints}
+_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.dropout.default,
+                 aten.clone.default, aten.type_as.default}
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    attention: str  # name of the sdpa node
+    module: str  # module path of the attention (from its output projection or q projection)
+    heads: int
+    head_dim: int
+    role: str  # "q", "k", "v", "out" or "attention"
+
+
+def _module_path(node: Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else node.name
+
+
+def _is_head_split(node: Node, heads: int, head_dim: int) -> bool:
+    out, src = shape_of(node), shape_of(node.args[0]) if node.args else None
+    return (node.target in _RESHAPES and out is not None and src is not None and len(out) >= 2
+            and tuple(out[-2:]) == (heads, head_dim) and src[-1] == heads * head_dim)
+
+
+def _find_head_split(value: Node, heads: int, head_dim: int) -> Node | None:
+    """Walk back from an attention operand through head-local ops to the reshape that split it into heads."""
+    seen, stack = set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in seen or not isinstance(node, Node):
+            continue
+        seen.add(node)
+        if _is_head_split(node, heads, head_dim):
+            return node
+        if node.target in _HEAD_LOCAL or node.target is operator.getitem:
+            stack.extend(node.all_input_nodes)
+    return None
+
+
+def _producer_linear(node: Node) -> Node | None:
+    while node.target in _PASS_THROUGH:
+        node = node.args[0]
+    return node if node.target is aten.linear.default else None
+
+
+def _find_head_merge(attention: Node, heads: int, head_dim: int) -> tuple[Node | None, Node | None]:
+    """Walk forward from the attention output to the reshape that merges heads, and the linear that consumes it."""
+    node = attention
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None, None
+        node = users[0]
+        if node.target in _MERGES and shape_of(node) and shape_of(node)[-1] == heads * head_dim:
+            merge = node
+            while len(node.users) == 1 and next(iter(node.users)).target in _PASS_THROUGH:
+                node = next(iter(node.users))
+            consumer = next(iter(node.users)) if len(node.users) == 1 else None
+            return merge, consumer if consumer is not None and consumer.target is aten.linear.default else None
+        if node.target not in (aten.permute.default, aten.transpose.int, aten.contiguous.default):
+            return None, None
+
+
+def _head_dim_based(node: Node, heads: int, head_dim: int) -> None:
+    """Rewrite a head split to infer the head count from head_dim."""
+    if node.target is aten.unflatten.int:
+        node.args = (node.args[0], node.args[1], [-1, head_dim])
+        return
+    sizes = list(node.args[1])
+    out = shape_of(node)
+    sizes = [out[i] if s == -1 else s for i, s in enumerate(sizes)]  # static: any other -1 becomes concrete
+    sizes[-2] = -1
+    node.args = (node.args[0], sizes)
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    for attention in [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]:
+        q_shape = shape_of(attention.args[0])
+        heads, head_dim = q_shape[-3], q_shape[-1]
+        splits = {role: _find_head_split(value, shape_of(value)[-3], shape_of(value)[-1])
+                  for role, value in zip("qkv", attention.args[:3])}
+        merge, out_proj = _find_head_merge(attention, heads, head_dim)
+        q_proj = _producer_linear(splits["q"].args[0]) if splits["q"] is not None else None
+        module = _module_path(out_proj or q_proj or attention).rsplit(".", 1)[0]
+        info = HeadInfo(attention.name, module, heads, head_dim, "attention")
+        attention.meta["heads"] = info
+        ctx.attention.append(info)
+        for role, split in splits.items():
+            if split is None:
+                continue
+            split_heads = shape_of(split)[-2]
+            split.meta["heads"] = replace(info, heads=split_heads, role=role)
+            _head_dim_based(split, split_heads, head_dim)
+            projection = _producer_linear(split.args[0])
+            if projection is not None:
+                projection.meta["heads"] = replace(info, heads=split_heads, role=role)
+        if merge is not None:
+            merge.meta["heads"] = replace(info, role="merge")
+        if out_proj is not None:
+            out_proj.meta["heads"] = replace(info, role="out")
+    gm.graph.lint()
+    gm.recompile()
+    check(gm)
+    return gm
+
+
+def check(gm: GraphModule) -> None:
+    """Postcondition: head splits infer the head count."""
+    for node in gm.graph.nodes:
+        info = node.meta.get("heads")
+        if info is not None and info.role in ("q", "k", "v") and node.target in _RESHAPES:
+            sizes = node.args[2] if node.target is aten.unflatten.int else node.args[1]
+            if list(sizes)[-2:] != [-1, info.head_dim]:
+                raise AssertionError(f"{node.name}: head split {sizes} is not head_dim-based")

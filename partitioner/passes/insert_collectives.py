@@ -1,0 +1,159 @@
+"""insert_collectives: redistribute every value whose placement differs from what its consumer requires.
+
+Requires: plan_sharding has run (``meta["placements"]`` and ``meta["required"]`` on every node).
+Guarantees: for every edge, the producer's placement equals the consumer's requirement:
+
+- Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
+  consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
+- Shard -> Replicate: ``all_gather_into_tensor`` (the sharded dim moved to the front and back).
+- Replicate -> Shard: a local slice of this rank's part; no communication.
+
+New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..context import PassContext
+from ..placement import PackedShard, Partial, Replicate, Shard, is_sharded, shard_slices
+from ..rules import PartitionError
+
+aten = torch.ops.aten
+functional = torch.ops._c10d_functional
+R = Replicate()
+
+
+def _annotate(node: Node, like: Node, axis: str, placement, required: dict, collective: str | None = None,
+              val=None) -> Node:
+    """Metadata for a new node: global value ``val`` (default: ``like``'s), placement, input requirements."""
+    node.meta["val"] = like.meta["val"] if val is None else val
+    node.meta["placements"] = {**like.meta["placements"], axis: placement}
+    node.meta["required"] = {axis: required}
+    if "nn_module_stack" in like.meta:
+        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    if collective:
+        node.meta["collective"] = (collective, axis)
+    return node
+
+
+def _move_bias_after(linear: Node, reduced: Node, axis: str) -> Node:
+    """linear(x, W_shard, b) summed over ranks would add b once per rank: add it once after the sum."""
+    bias = linear.args[2]
+    linear.args = linear.args[:2]
+    linear.meta["required"][axis].pop(bias, None)
+    graph = linear.graph
+    with graph.inserting_after(reduced):
+        added = graph.call_function(aten.add.Tensor, (reduced, bias))
+    return _annotate(added, linear, axis, R, {reduced: R, bias: R})
+
+
+def _rekey(user: Node, old: Node, new: Node, axis: str) -> None:
+    requirements = user.meta["required"].setdefault(axis, {})
+    if old in requirements:
+        requirements[new] = requirements.pop(old)
+
+
+def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
+    graph = producer.graph
+    users = list(producer.users)
+    with graph.inserting_after(producer):
+        reduce = graph.call_function(functional.all_reduce.default, (producer, "sum", ctx.mesh.group_name(axis)))
+    with graph.inserting_after(reduce):
+        wait = graph.call_function(functional.wait_tensor.default, (reduce,))
+    _annotate(reduce, producer, axis, Partial(), {producer: Partial()}, "all_reduce")
+    result = _annotate(wait, producer, axis, R, {reduce: Partial()})
+    if producer.target is aten.linear.default and len(producer.args) > 2 and producer.args[2] is not None:
+        result = _move_bias_after(producer, wait, axis)
+    for user in users:
+        user.replace_input_with(producer, result)
+        _rekey(user, producer, result, axis)
+    return result
+
+
+def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
+    if isinstance(placement, PackedShard):
+        raise PartitionError(f"{producer.name}: gathering a packed shard {placement} is not supported; "
+                             "override the plan so that this value stays replicated")
+    graph, dim, degree = producer.graph, placement.dim, ctx.mesh.size(axis)
+    # all_gather_into_tensor concatenates along dim 0, rank by rank: bring the sharded dim there and back.
+    with graph.inserting_after(producer):
+        front = graph.call_function(aten.movedim.int, (producer, dim, 0))
+    with graph.inserting_after(front):
+        dense = graph.call_function(aten.contiguous.default, (front,))
+    with graph.inserting_after(dense):
+        gather = graph.call_function(functional.all_gather_into_tensor.default,
+                                     (dense, degree, ctx.mesh.group_name(axis)))
+    with graph.inserting_after(gather):
+        wait = graph.call_function(functional.wait_tensor.default, (gather,))
+    with graph.inserting_after(wait):
+        back = graph.call_function(aten.movedim.int, (wait, 0, dim))
+    moved = producer.meta["val"].movedim(dim, 0)
+    _annotate(front, producer, axis, Shard(0), {producer: placement}, val=moved)
+    _annotate(dense, producer, axis, Shard(0), {front: Shard(0)}, val=moved)
+    _annotate(gather, producer, axis, R, {dense: Shard(0)}, "all_gather", val=moved)
+    _annotate(wait, producer, axis, R, {gather: R}, val=moved)
+    return _annotate(back, producer, axis, R, {wait: R})
+
+
+def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
+    """This rank's part of a replicated value: free, no communication."""
+    graph = producer.graph
+    size = producer.meta["val"].shape[placement.dim]
+    ranges = shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
+    pieces, anchor = [], producer
+    for start, end in ranges:
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(aten.slice.Tensor, (producer, placement.dim, start, end))
+        pieces.append(_annotate(anchor, producer, axis, placement, {producer: R}))
+    if len(pieces) == 1:
+        return pieces[0]
+    with graph.inserting_after(anchor):
+        joined = graph.call_function(aten.cat.default, (pieces, placement.dim))
+    return _annotate(joined, producer, axis, placement, {p: placement for p in pieces})
+
+
+def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext) -> Node:
+    if current == R and is_sharded(required):
+        return _narrow(producer, required, axis, ctx)
+    if is_sharded(current) and required == R:
+        return _all_gather(producer, current, axis, ctx)
+    raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    for axis in ctx.mesh.axis_names:
+        redistributed: dict[tuple[Node, str], Node] = {}
+        for node in list(gm.graph.nodes):
+            for producer in list(node.all_input_nodes):
+                required = node.meta["required"].get(axis, {}).get(producer)
+                current = producer.meta["placements"][axis]
+                if required is None or isinstance(required, tuple) or current == required:
+                    continue
+                if isinstance(current, Partial):
+                    producer, current = _all_reduce(producer, axis, ctx), R
+                    if required == R:
+                        continue
+                key = (producer, repr(required))
+                if key not in redistributed:
+                    redistributed[key] = _redistribute(producer, current, required, axis, ctx)
+                node.replace_input_with(producer, redistributed[key])
+                _rekey(node, producer, redistributed[key], axis)
+    gm.graph.lint()
+    gm.recompile()
+    check(gm)
+    return gm
+
+
+def check(gm: GraphModule) -> None:
+    """Postcondition: every input of every node is placed as that node requires."""
+    for node in gm.graph.nodes:
+        for axis, requirements in node.meta["required"].items():
+            for producer, required in requirements.items():
+                if isinstance(required, tuple):
+                    continue
+                current = producer.meta["placements"][axis]
+                if current != required:
+                    raise AssertionError(f"{node.name} needs {producer.name} as {required} over {axis!r}, "
+                                         f"it is {current}")

@@ -1,0 +1,92 @@
+"""localize: turn the global graph into this rank's graph.
+
+Requires: insert_collectives has run (every edge is placed as required).
+Guarantees:
+- every parameter, buffer or constant placed sharded has a slicing spec in ``ctx.slice_specs`` (FQN ->
+  {axis: placement}), the only place the loader learns how to cut it;
+- every op that names sizes (view, reshape, unflatten, expand) names this rank's sizes;
+- ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
+  placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``meta["global_shape"]``
+  keeps the global one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..context import PassContext
+from ..placement import is_sharded, local_shape
+
+aten = torch.ops.aten
+_SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _shape(val):
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    if isinstance(val, (tuple, list)):
+        return tuple(_shape(v) for v in val)
+    return None
+
+
+def _expected_local(node: Node, sizes: dict[str, int]):
+    shape, placements = node.meta["global_shape"], node.meta["placements"]
+    if shape is None or not shape or not isinstance(shape[0], tuple):
+        return tuple(local_shape(shape, placements, sizes)) if shape is not None else None
+    per_output = [{axis: p[i] if isinstance(p, tuple) else p for axis, p in placements.items()}
+                  for i in range(len(shape))]
+    return tuple(tuple(local_shape(s, p, sizes)) if s is not None else None for s, p in zip(shape, per_output))
+
+
+def _localize_sizes(node: Node, sizes: dict[str, int]) -> None:
+    placements = node.meta["placements"]
+    if not any(is_sharded(p) for p in placements.values()):
+        return
+    if node.target in _SIZED_VIEWS:
+        node.args = (node.args[0], _expected_local(node, sizes))
+    elif node.target is aten.unflatten.int:
+        dim, split = node.args[1], list(node.args[2])
+        if -1 not in split:  # no inferred size: name the local one
+            out_dim = dim % len(node.meta["global_shape"]) if dim < 0 else dim
+            split[0] = _expected_local(node, sizes)[out_dim]
+        node.args = (node.args[0], dim, split)
+    elif node.target is aten.expand.default:
+        local = _expected_local(node, sizes)
+        node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    sizes = ctx.mesh.sizes
+    for node in gm.graph.nodes:
+        node.meta["global_shape"] = _shape(node.meta.get("val"))
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        sharded = {axis: p for axis, p in node.meta["placements"].items() if is_sharded(p)}
+        if sharded and graph_input.kind != "user":
+            ctx.slice_specs[graph_input.target] = sharded
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            _localize_sizes(node, sizes)
+    gm.recompile()
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake_inputs = [torch.empty(_expected_local(n, sizes), dtype=n.meta["val"].dtype, device=n.meta["val"].device)
+                       if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
+                       for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    check(gm, ctx)
+    return gm
+
+
+def check(gm: GraphModule, ctx: PassContext) -> None:
+    """Postcondition: every value's per-rank shape is its global shape cut by its placements."""
+    for node in gm.graph.nodes:
+        if node.op == "output" or node.meta.get("global_shape") is None:
+            continue
+        expected, actual = _expected_local(node, ctx.mesh.sizes), _shape(node.meta.get("val"))
+        if expected != actual:
+            raise AssertionError(f"{node.name}: local shape {actual} but placements "
+                                 f"{node.meta['placements']} of {node.meta['global_shape']} imply {expected}")

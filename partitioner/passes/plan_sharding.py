@@ -1,0 +1,187 @@
+"""plan_sharding: decide how every linear is split over the "tp" axis, and give every value a placement.
+
+Requires: annotate_heads has run (head splits are head_dim-based; they carry ``meta["heads"]``).
+Guarantees: every node carries ``meta["placements"] = {"tp": placement}`` (a tuple for multi-output ops) and
+``meta["required"] = {"tp": {input node: placement}}``, the placement each input must have for that node. Where the
+two disagree, ``insert_collectives`` redistributes. Parameters and buffers are placed as their consumers need them
+(they are sliced at load time, never in the graph).
+
+How the plan is found, from the graph's structure alone (no per-model list):
+
+1. Every linear starts as a column-wise candidate (a "seed"). Placements are propagated through the graph with the
+   rules in ``partitioner/rules.py``. A linear whose input features arrive sharded becomes row-wise (its output is
+   Partial and is all-reduced). Candidates whose sharding reaches an op that cannot carry it (a norm over the
+   features, a reshape that mixes features with rows, the graph output, ...) are dropped and propagation reruns,
+   until nothing fails. What remains are column -> row regions: q/k/v -> heads -> attention -> output projection;
+   up -> activation -> down; a fused ``[value; gate]`` projection becomes a packed column shard (each half split on
+   its own) when a split along the sharded dim asks for it.
+2. A linear left replicated whose input has few rows compared with its input features (``rows * 8 <= in_features``:
+   the all-reduce of its output moves far fewer bytes than the weight it spreads) is split row-wise with its
+   replicated input sliced locally. For MiniMax-H3 this is ``adaln_proj.linear``: one row per timestep against 2688
+   features, about 40% of all weights.
+3. User overrides in diffusers' ``_tp_plan`` key syntax ("colwise" / "rowwise" / "replicate") take precedence. A
+   forced column shard that meets an op which cannot carry it is gathered (all_gather) before that op.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..context import PassContext
+from ..placement import Partial, Replicate, any_sharded, is_sharded
+from ..rules import (Decision, LinearRoles, NeedsPacking, PartitionError, Unshardable, replicate_all, rule_for,
+                     shape_of)
+
+AXIS = "tp"
+STYLES = ("colwise", "rowwise", "replicate")
+# Row-wise with a replicated input pays off when the input has this many times fewer rows than features.
+ROWWISE_INPUT_RATIO = 8
+aten = torch.ops.aten
+R = Replicate()
+
+
+@dataclass
+class _Propagation:
+    placements: dict[Node, object] = field(default_factory=dict)
+    decisions: dict[Node, Decision] = field(default_factory=dict)
+    failed: dict[Node, str] = field(default_factory=dict)  # seed -> why its column sharding was dropped
+    packing: dict[Node, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _linear_path(linear: Node, fqns: dict[Node, str]) -> str:
+    weight = linear.args[1]
+    return fqns[weight].rsplit(".", 1)[0] if weight in fqns else linear.name
+
+
+def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node, str]:
+    forced = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise PartitionError(f"plan entry {pattern!r}: unknown style {style!r}; use one of {list(STYLES)}")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"$")
+        matched = [node for node, path in paths.items() if regex.match(path)]
+        if not matched:
+            raise PartitionError(f"plan entry {pattern!r} matches no Linear module; linear modules look like "
+                                 f"{sorted(paths.values())[:3]}")
+        for node in matched:
+            forced[node] = style
+    return forced
+
+
+def _propagate(gm: GraphModule, roles: LinearRoles, forced: dict[Node, str], degree: int) -> _Propagation:
+    """One forward sweep: placements for every node, and which column candidates failed and why."""
+    result = _Propagation()
+    provenance: dict[Node, frozenset] = {}  # sharded value -> column seeds whose sharding it carries
+    for node in gm.graph.nodes:
+        placements = result.placements
+        if node.op == "placeholder":
+            placements[node] = R
+            continue
+        if node.op == "output":
+            result.decisions[node] = Decision(None, {n: R for n in node.all_input_nodes})
+            continue
+        try:
+            decision = rule_for(node, roles)(node, placements, degree)
+        except (Unshardable, NeedsPacking) as problem:
+            seeds = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
+            droppable = {s for s in seeds if forced.get(s) != "colwise"}
+            if isinstance(problem, NeedsPacking) and len(seeds) == 1 and droppable:
+                result.packing[next(iter(seeds))] = problem.blocks
+            else:
+                for seed in droppable:
+                    result.failed.setdefault(seed, f"{node.name}: {problem}")
+            decision = replicate_all(node, placements)
+        result.decisions[node] = decision
+        placements[node] = decision.output
+        if node in roles.colwise and any_sharded(decision.output):
+            provenance[node] = frozenset({node})
+        elif not isinstance(decision.output, Partial):
+            carried = [provenance[n] for n in node.all_input_nodes if n in provenance
+                       and any_sharded(placements[n]) and any_sharded(decision.inputs.get(n, R))]
+            if carried:
+                provenance[node] = frozenset().union(*carried)
+    return result
+
+
+def _cheap_rowwise(linear: Node, degree: int) -> bool:
+    x_shape, w_shape = shape_of(linear.args[0]), shape_of(linear.args[1])
+    rows, in_features = math.prod(x_shape[:-1]), w_shape[1]
+    return rows * ROWWISE_INPUT_RATIO <= in_features and in_features % degree == 0
+
+
+def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements) -> None:
+    """Parameters and buffers take the placement their consumers need, so they are sliced at load time."""
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        if graph_input.kind == "user":
+            continue
+        wanted = {repr(decisions[user].inputs.get(node, R)): decisions[user].inputs.get(node, R)
+                  for user in node.users}
+        if len(wanted) == 1:
+            placements[node] = next(iter(wanted.values()))
+
+
+def _style(linear: Node, decision: Decision, roles: LinearRoles) -> str:
+    if isinstance(decision.output, Partial):
+        return "rowwise"
+    if is_sharded(decision.output) and linear in roles.colwise:
+        blocks = roles.packed.get(linear)
+        return f"colwise packed {list(blocks)}" if blocks else "colwise"
+    return "replicate"
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    degree = ctx.mesh.size(AXIS)
+    fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.kind != "user"}
+    linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+    paths = {linear: _linear_path(linear, fqns) for linear in linears}
+    forced = _match_overrides(paths, ctx.plan)
+    roles = LinearRoles(forced=set(forced))
+    if degree > 1:
+        roles.rowwise = {n for n, s in forced.items() if s == "rowwise"}
+        roles.replicate = {n for n, s in forced.items() if s == "replicate"}
+    reasons: dict[Node, str] = {}
+    if degree > 1:
+        roles.colwise = {n for n in linears if forced.get(n, "colwise") == "colwise"}
+        while True:
+            sweep = _propagate(gm, roles, forced, degree)
+            reasons.update(sweep.failed)
+            roles.colwise -= set(sweep.failed)
+            new_packing = {n: b for n, b in sweep.packing.items() if roles.packed.get(n) != b}
+            roles.packed.update(new_packing)
+            if not sweep.failed and not new_packing:
+                break
+        for linear in linears:
+            decision = sweep.decisions[linear]
+            if (linear not in forced and decision.output == R and not is_sharded(sweep.placements[linear.args[0]])
+                    and _cheap_rowwise(linear, degree)):
+                roles.rowwise.add(linear)
+    sweep = _propagate(gm, roles, forced, degree)
+    for node, reason in sweep.failed.items():  # only forced shardings can still fail: they are gathered instead
+        reasons.setdefault(node, reason)
+    _place_state(gm, ctx, sweep.decisions, sweep.placements)
+
+    for node in gm.graph.nodes:
+        node.meta["placements"] = {AXIS: sweep.placements.get(node)}
+        node.meta["required"] = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
+    for linear in linears:
+        style = _style(linear, sweep.decisions[linear], roles)
+        ctx.linear_styles[paths[linear]] = style
+        if style == "replicate" and linear in reasons:
+            ctx.replicated_because[paths[linear]] = reasons[linear]
+    check(gm)
+    return gm
+
+
+def check(gm: GraphModule) -> None:
+    """Postcondition: every node has a placement per axis and every input requirement names a real input."""
+    for node in gm.graph.nodes:
+        if AXIS not in node.meta.get("placements", {}):
+            raise AssertionError(f"{node.name} has no placement")
+        for producer in node.meta["required"][AXIS]:
+            if producer not in node.all_input_nodes:
+                raise AssertionError(f"{node.name} requires a placement of {producer.name}, which it does not use")

@@ -1,0 +1,104 @@
+"""What a partition costs one rank: parameter bytes, how much of it is replicated, and every collective."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule
+
+from .context import PassContext
+from .placement import is_sharded, local_shape
+
+
+@dataclass(frozen=True)
+class CollectiveStat:
+    kind: str
+    axis: str
+    count: int
+    bytes_per_call: int  # bytes of the collective's result on one rank
+
+
+@dataclass
+class Report:
+    mesh: str
+    parameters: int  # parameter elements held by this rank
+    parameter_bytes: dict[str, int]  # dtype -> bytes held by this rank
+    replicated_bytes: int  # of which held whole by every rank
+    buffer_bytes: int
+    collectives: list[CollectiveStat]
+    linear_styles: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_parameter_bytes(self) -> int:
+        return sum(self.parameter_bytes.values())
+
+    @property
+    def replicated_share(self) -> float:
+        return self.replicated_bytes / self.total_parameter_bytes if self.total_parameter_bytes else 0.0
+
+    def count(self, kind: str) -> int:
+        return sum(c.count for c in self.collectives if c.kind == kind)
+
+    def __str__(self) -> str:
+        lines = [f"partition report: {self.mesh}",
+                 f"  parameters per rank: {self.parameters:,} ({_bytes(self.total_parameter_bytes)}), "
+                 f"replicated share {self.replicated_share:.1%}; buffers {_bytes(self.buffer_bytes)}"]
+        lines += [f"    {dtype:<16} {_bytes(size):>12}" for dtype, size in sorted(self.parameter_bytes.items())]
+        lines.append(f"  {'collective':<16} {'axis':<8} {'count':>6} {'bytes/call':>12} {'bytes/step':>12}")
+        for c in self.collectives:
+            lines.append(f"  {c.kind:<16} {c.axis:<8} {c.count:>6} {_bytes(c.bytes_per_call):>12} "
+                         f"{_bytes(c.count * c.bytes_per_call):>12}")
+        if not self.collectives:
+            lines.append("  (none)")
+        styles = Counter(self.linear_styles.values())
+        lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
+        return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _local_numel(node, sizes) -> int:
+    """Elements this rank holds, whether meta["val"] is still global (before localize) or already local."""
+    val = node.meta["val"]
+    if "global_shape" in node.meta:
+        return val.numel()
+    shape = local_shape(val.shape, node.meta.get("placements", {}), sizes)
+    return torch.Size(shape).numel()
+
+
+def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
+    calls = defaultdict(int)
+    for node in gm.graph.nodes:
+        if "collective" in node.meta:
+            kind, axis = node.meta["collective"]
+            val = node.meta["val"]
+            calls[(kind, axis, val.numel() * val.element_size())] += 1
+    return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
+
+
+def build_report(gm: GraphModule, ctx: PassContext) -> Report:
+    sizes = ctx.mesh.sizes
+    parameters, replicated, buffers = 0, 0, 0
+    by_dtype: dict[str, int] = defaultdict(int)
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        if graph_input.kind == "user" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        numel = _local_numel(node, sizes)
+        size = numel * node.meta["val"].element_size()
+        if graph_input.kind != "parameter":
+            buffers += size
+            continue
+        parameters += numel
+        by_dtype[str(node.meta["val"].dtype).removeprefix("torch.")] += size
+        if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
+            replicated += size
+    return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
+                  dict(ctx.linear_styles))

@@ -1,0 +1,58 @@
+"""Calling a lowered rank graph with the model's own forward arguments, and returning what forward returns."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from .trace import Traced, bind_forward
+
+
+class InputError(ValueError):
+    pass
+
+
+class CompiledPartition:
+    """``compiled(*args, **kwargs)`` flattens the forward arguments as at trace time, adds this rank's weight
+    shards, runs the lowered graph and rebuilds the forward's output (tuple or output dataclass)."""
+
+    def __init__(self, lowered: Callable, traced: Traced, state: list[torch.Tensor], owner: str):
+        self.lowered = lowered
+        self.traced = traced
+        self.state = state  # this rank's tensors, in placeholder order
+        self.owner = owner
+        self.user_index = [gi.target for gi in traced.inputs if gi.kind == "user"]
+        placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
+
+    def flatten(self, args, kwargs) -> tuple[list, bool | None]:
+        named = bind_forward(self.traced.signature, args, kwargs, self.owner)
+        return_dict = named.get("return_dict")
+        if "return_dict" in named:
+            named["return_dict"] = True  # traced that way; converted back below
+        leaves, spec = pytree.tree_flatten_with_path(((), named))
+        flat = [leaf for _, leaf in leaves]
+        names = [pytree.keystr(path[1:]) for path, _ in leaves]
+        if spec != self.traced.in_spec:
+            raise InputError(f"{self.owner}: the arguments' structure differs from the traced one:\n{spec}\n"
+                             f"expected\n{self.traced.in_spec}")
+        for index, value in self.traced.constant_args.items():
+            if flat[index] is not value and flat[index] != value:
+                raise InputError(f"{self.owner}: argument {names[index]}={flat[index]!r} differs from the traced "
+                                 f"{value!r}; partition again with it in example_inputs")
+        for index, expected in zip(self.user_index, self.user_vals):
+            value = flat[index]
+            if isinstance(expected, torch.Tensor) and tuple(value.shape) != tuple(expected.shape):
+                raise InputError(f"{self.owner}: {names[index]} has shape {list(value.shape)}, traced with "
+                                 f"{list(expected.shape)}; this partition is static-shaped, partition again")
+        return [flat[i] for i in self.user_index], return_dict
+
+    def __call__(self, *args, **kwargs):
+        user, return_dict = self.flatten(args, kwargs)
+        out = self.lowered(*self.state, *user)
+        result = pytree.tree_unflatten(list(out), self.traced.out_spec)
+        if return_dict is False and hasattr(result, "to_tuple"):
+            return result.to_tuple()
+        return result

@@ -1,0 +1,108 @@
+"""Trace a model with torch.export into an aten graph whose parameters and buffers are placeholders.
+
+The result keeps what the passes and the runtime need and nothing of the ExportedProgram machinery:
+the GraphModule (placeholders in export's order: parameters, buffers, constants, then user inputs), what each
+placeholder is, the pytree specs of the forward's inputs and outputs, and the model's tensors by qualified name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+
+class TraceError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder: a model tensor (``kind`` parameter / buffer / constant, ``target`` its FQN) or a user input
+    (``kind`` user, ``target`` its index among the flattened forward arguments)."""
+    kind: str
+    target: str | int
+
+
+@dataclass
+class Traced:
+    graph_module: torch.fx.GraphModule
+    inputs: list[GraphInput]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    # Non-tensor leaves of the traced call (e.g. return_dict=True): export specialised on them.
+    constant_args: dict[int, Any]
+    state: dict[str, torch.Tensor] = field(repr=False)
+    signature: inspect.Signature = field(repr=False)
+
+
+def bind_forward(signature: inspect.Signature, args, kwargs, owner: str) -> dict[str, Any]:
+    """All forward arguments by name, defaults applied, in signature order; a clear error when they do not fit."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TraceError(f"the inputs do not match {owner}.forward{signature}: {error}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _drop_export_guards(gm: torch.fx.GraphModule) -> None:
+    """Remove export's ``_assert_tensor_metadata`` checks: they pin the trace-time device (meta, cpu), which is not
+    the device a partition runs on, and carry no information the meta values do not."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def trace(model: torch.nn.Module, example_inputs) -> Traced:
+    """Export ``model`` called with ``example_inputs = (args, kwargs)``, keyword-normalised."""
+    owner = type(model).__name__
+    if not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+            and isinstance(example_inputs[1], dict)):
+        raise TraceError("example_inputs must be a pair (args, kwargs), e.g. ((), {'hidden_states': x, ...})")
+    args, kwargs = example_inputs
+    signature = inspect.signature(model.forward)
+    named = bind_forward(signature, tuple(args), kwargs, owner)
+    if "return_dict" in named:
+        named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
+    try:
+        program = torch.export.export(model, (), kwargs=named)
+    except Exception as error:  # export raises many types; all mean the same to the user
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TraceError(
+            f"torch.export could not trace {owner}: {type(error).__name__}: {first_line}\n"
+            "partition needs a model that torch.export.export(model, (), kwargs=...) accepts; see the chained "
+            "exception for where tracing stopped."
+        ) from error
+
+    gs = program.graph_signature
+    if any(spec.kind != OutputKind.USER_OUTPUT for spec in gs.output_specs):
+        mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
+        raise TraceError(f"{owner}.forward mutates {mutated}; partition supports inference graphs without mutation")
+
+    flat_args, in_spec = pytree.tree_flatten(((), named))
+    constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
+    state = dict(program.state_dict)
+    state.update(program.constants)
+    inputs, user_index = [], 0
+    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    for spec in gs.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            # export lists every flattened leaf, constants included, in flattening order
+            inputs.append(GraphInput("user", user_index))
+            user_index += 1
+        elif spec.kind in kinds:
+            inputs.append(GraphInput(kinds[spec.kind], spec.target))
+        else:
+            raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
+    gm = program.graph_module
+    _drop_export_guards(gm)
+    return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature)

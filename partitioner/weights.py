@@ -1,0 +1,25 @@
+"""This rank's shards of the model's tensors, cut as the slicing specs of ``localize`` say."""
+
+from __future__ import annotations
+
+import torch
+
+from .mesh import MeshSpec
+from .placement import local_shape, slice_local
+
+
+def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tensor:
+    """Cut ``tensor`` by ``spec`` ({axis: placement}) for this rank, detached: partitions are for inference."""
+    tensor = tensor.detach()
+    for axis, placement in spec.items():
+        tensor = slice_local(tensor, placement, mesh.size(axis), mesh.coordinate(axis))
+    return tensor
+
+
+def shard_state(state: dict[str, torch.Tensor], names, slice_specs: dict[str, dict], mesh: MeshSpec):
+    """Local tensors for the graph's parameter/buffer/constant inputs ``names`` (FQNs)."""
+    return {name: shard_tensor(state[name], slice_specs.get(name, {}), mesh) for name in names}
+
+
+def local_numel(shape, spec: dict, mesh: MeshSpec) -> int:
+    return torch.Size(local_shape(shape, spec, mesh.sizes)).numel()
