@@ -20,7 +20,7 @@ How the plan is found, from the graph's structure alone (no per-model list):
    replicated input sliced locally. For MiniMax-H3 this is ``adaln_proj.linear``: one row per timestep against 2688
    features, about 40% of all weights.
 3. User overrides in diffusers' ``_tp_plan`` key syntax ("colwise" / "rowwise" / "replicate") take precedence. A
-   forced column shard that meets an op which cannot carry it is gathered (all_gather) before that op.
+   forced column shard whose values meet an op that cannot carry them is gathered (all_gather) right after it.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class _Propagation:
     placements: dict[Node, object] = field(default_factory=dict)
     decisions: dict[Node, Decision] = field(default_factory=dict)
     failed: dict[Node, str] = field(default_factory=dict)  # seed -> why its column sharding was dropped
+    failed_forced: set[Node] = field(default_factory=set)  # user-forced column shards that must be gathered
     packing: dict[Node, tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -73,36 +74,41 @@ def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node,
     return forced
 
 
-def _propagate(gm: GraphModule, roles: LinearRoles, forced: dict[Node, str], degree: int) -> _Propagation:
-    """One forward sweep: placements for every node, and which column candidates failed and why."""
+def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree: int) -> _Propagation:
+    """One forward sweep: placements for every node, and which column candidates failed and why.
+
+    A ``gathered`` linear keeps its column-sharded output, but its consumers see it replicated, so that
+    insert_collectives gathers it once, right after the linear."""
     result = _Propagation()
+    visible: dict[Node, object] = {}  # placements as consumers see them
     provenance: dict[Node, frozenset] = {}  # sharded value -> column seeds whose sharding it carries
     for node in gm.graph.nodes:
-        placements = result.placements
         if node.op == "placeholder":
-            placements[node] = R
+            result.placements[node] = visible[node] = R
             continue
         if node.op == "output":
             result.decisions[node] = Decision(None, {n: R for n in node.all_input_nodes})
             continue
         try:
-            decision = rule_for(node, roles)(node, placements, degree)
+            decision = rule_for(node, roles)(node, visible, degree)
         except (Unshardable, NeedsPacking) as problem:
             seeds = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
-            droppable = {s for s in seeds if forced.get(s) != "colwise"}
+            droppable = seeds - roles.forced
             if isinstance(problem, NeedsPacking) and len(seeds) == 1 and droppable:
                 result.packing[next(iter(seeds))] = problem.blocks
             else:
                 for seed in droppable:
                     result.failed.setdefault(seed, f"{node.name}: {problem}")
-            decision = replicate_all(node, placements)
+                result.failed_forced |= seeds & roles.forced
+            decision = replicate_all(node, visible)
         result.decisions[node] = decision
-        placements[node] = decision.output
-        if node in roles.colwise and any_sharded(decision.output):
+        result.placements[node] = decision.output
+        visible[node] = R if node in gathered else decision.output
+        if node in roles.colwise and any_sharded(visible[node]):
             provenance[node] = frozenset({node})
         elif not isinstance(decision.output, Partial):
             carried = [provenance[n] for n in node.all_input_nodes if n in provenance
-                       and any_sharded(placements[n]) and any_sharded(decision.inputs.get(n, R))]
+                       and any_sharded(visible[n]) and any_sharded(decision.inputs.get(n, R))]
             if carried:
                 provenance[node] = frozenset().union(*carried)
     return result
@@ -140,38 +146,37 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
     paths = {linear: _linear_path(linear, fqns) for linear in linears}
     forced = _match_overrides(paths, ctx.plan)
-    roles = LinearRoles(forced=set(forced))
-    if degree > 1:
-        roles.rowwise = {n for n, s in forced.items() if s == "rowwise"}
-        roles.replicate = {n for n, s in forced.items() if s == "replicate"}
-    reasons: dict[Node, str] = {}
-    if degree > 1:
-        roles.colwise = {n for n in linears if forced.get(n, "colwise") == "colwise"}
+    roles, gathered, reasons = LinearRoles(), set(), {}
+    if degree > 1:  # at degree 1 nothing is sharded: the partition is the identity
+        roles = LinearRoles(
+            colwise={n for n in linears if forced.get(n, "colwise") == "colwise"},
+            rowwise={n for n, s in forced.items() if s == "rowwise"},
+            replicate={n for n, s in forced.items() if s == "replicate"},
+            forced=set(forced))
         while True:
-            sweep = _propagate(gm, roles, forced, degree)
+            sweep = _propagate(gm, roles, gathered, degree)
             reasons.update(sweep.failed)
             roles.colwise -= set(sweep.failed)
             new_packing = {n: b for n, b in sweep.packing.items() if roles.packed.get(n) != b}
             roles.packed.update(new_packing)
-            if not sweep.failed and not new_packing:
+            new_gathered = sweep.failed_forced - gathered
+            gathered |= new_gathered
+            if not (sweep.failed or new_packing or new_gathered):
                 break
         for linear in linears:
-            decision = sweep.decisions[linear]
-            if (linear not in forced and decision.output == R and not is_sharded(sweep.placements[linear.args[0]])
-                    and _cheap_rowwise(linear, degree)):
+            if (linear not in forced and sweep.decisions[linear].output == R
+                    and not is_sharded(sweep.placements[linear.args[0]]) and _cheap_rowwise(linear, degree)):
                 roles.rowwise.add(linear)
-    sweep = _propagate(gm, roles, forced, degree)
-    for node, reason in sweep.failed.items():  # only forced shardings can still fail: they are gathered instead
-        reasons.setdefault(node, reason)
+    sweep = _propagate(gm, roles, gathered, degree)
     _place_state(gm, ctx, sweep.decisions, sweep.placements)
 
     for node in gm.graph.nodes:
         node.meta["placements"] = {AXIS: sweep.placements.get(node)}
         node.meta["required"] = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
     for linear in linears:
-        style = _style(linear, sweep.decisions[linear], roles)
+        style = _style(linear, sweep.decisions[linear], roles) + (" gathered" if linear in gathered else "")
         ctx.linear_styles[paths[linear]] = style
-        if style == "replicate" and linear in reasons:
+        if linear in reasons:
             ctx.replicated_because[paths[linear]] = reasons[linear]
     check(gm)
     return gm
