@@ -106,10 +106,16 @@ def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
     if isinstance(mesh, Mapping):
         names = tuple(mesh)
         _check_axis_names(names)
-        sizes = tuple(int(mesh[name]) for name in names)
+        for name in names:
+            size = mesh[name]
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise MeshError(f"mesh axis {name!r} must have an integer size >= 1, got {size!r}")
+        sizes = tuple(mesh[name] for name in names)
         if any(size < 1 for size in sizes):
             raise MeshError(f"mesh axis sizes must be >= 1, got {dict(mesh)}")
         world = math.prod(sizes)
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise MeshError(f"rank must be an integer, got {rank!r}")
         if not 0 <= rank < world:
             raise MeshError(f"rank {rank} is outside the mesh {dict(mesh)} of {world} ranks")
         return MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None)

@@ -81,6 +81,8 @@ def _with_dim(placement, dim: int):
 def replicate_all(node: Node, placements) -> Decision:
     """The fallback for any op: every input replicated (reduced, gathered), output replicated."""
     del placements
+    if node.op == "output":
+        return Decision(None, {n: R for n in node.all_input_nodes})
     out = tuple(R for _ in node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else R
     return Decision(out, {n: R for n in node.all_input_nodes})
 
@@ -506,7 +508,16 @@ RULES: dict[object, Callable] = {
 }
 
 
+def graph_output(node: Node, placements, axis_size: int) -> Decision:
+    """The model returns full tensors."""
+    if _sharded_inputs(node, placements):
+        raise Unshardable("the graph output needs full tensors")
+    return Decision(None, {n: R for n in node.all_input_nodes})
+
+
 def rule_for(node: Node, roles: LinearRoles) -> Callable:
+    if node.op == "output":
+        return graph_output
     target = node.target
     if target is aten.linear.default:
         return make_linear_rule(roles)

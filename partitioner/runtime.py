@@ -28,7 +28,7 @@ class CompiledPartition:
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
 
     def flatten(self, args, kwargs) -> tuple[list, bool | None]:
-        named = bind_forward(self.traced.signature, args, kwargs, self.owner)
+        named = bind_forward(self.traced.signature, args, kwargs, self.owner, InputError)
         return_dict = named.get("return_dict")
         if "return_dict" in named:
             named["return_dict"] = True  # traced that way; converted back below
@@ -36,8 +36,7 @@ class CompiledPartition:
         flat = [leaf for _, leaf in leaves]
         names = [pytree.keystr(path[1:]) for path, _ in leaves]
         if spec != self.traced.in_spec:
-            raise InputError(f"{self.owner}: the arguments' structure differs from the traced one:\n{spec}\n"
-                             f"expected\n{self.traced.in_spec}")
+            self._raise_structure_mismatch(named)
         for index, value in self.traced.constant_args.items():
             if flat[index] is not value and flat[index] != value:
                 raise InputError(f"{self.owner}: argument {names[index]}={flat[index]!r} differs from the traced "
@@ -49,6 +48,15 @@ class CompiledPartition:
                                  f"{list(expected.shape)}; this partition is static-shaped, partition again")
         return [flat[i] for i in self.user_index], return_dict
 
+    def _raise_structure_mismatch(self, named: dict) -> None:
+        traced = pytree.tree_unflatten([object()] * self.traced.in_spec.num_leaves, self.traced.in_spec)[1]
+        for name, value in named.items():
+            given, expected = pytree.tree_structure(value), pytree.tree_structure(traced[name])
+            if given != expected:
+                raise InputError(f"{self.owner}: argument {name!r} has structure {_describe(value)}, traced with "
+                                 f"{_describe(traced[name])}; partition again with it in example_inputs")
+        raise InputError(f"{self.owner}: the arguments' structure differs from the traced one")
+
     def __call__(self, *args, **kwargs):
         user, return_dict = self.flatten(args, kwargs)
         out = self.lowered(*self.state, *user)
@@ -56,3 +64,8 @@ class CompiledPartition:
         if return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+def _describe(value) -> str:
+    """A pytree's shape in a line: containers kept, leaves as *."""
+    return str(pytree.tree_unflatten(["*"] * pytree.tree_structure(value).num_leaves, pytree.tree_structure(value)))

@@ -40,14 +40,30 @@ class Traced:
     signature: inspect.Signature = field(repr=False)
 
 
-def bind_forward(signature: inspect.Signature, args, kwargs, owner: str) -> dict[str, Any]:
-    """All forward arguments by name, defaults applied, in signature order; a clear error when they do not fit."""
+def bind_forward(signature: inspect.Signature, args, kwargs, owner: str, error=None) -> dict[str, Any]:
+    """All forward arguments by name, defaults applied, in signature order; ``error`` (default TraceError) with a
+    clear message when they do not fit."""
     try:
         bound = signature.bind(*args, **kwargs)
-    except TypeError as error:
-        raise TraceError(f"the inputs do not match {owner}.forward{signature}: {error}") from None
+    except TypeError as problem:
+        raise (error or TraceError)(f"the inputs do not match {owner}.forward{signature}: {problem}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _mutated_inputs(program) -> list[str]:
+    """Graph inputs written in place (export keeps in-place ops such as ``add_`` in its non-functional IR)."""
+    names = {spec.arg.name: spec.target or spec.arg.name for spec in program.graph_signature.input_specs}
+    mutated = []
+    for node in program.graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, torch.fx.Node) and value.op == "placeholder":
+                mutated.append(names.get(value.name, value.name))
+    return mutated
 
 
 def _drop_export_guards(gm: torch.fx.GraphModule) -> None:
@@ -67,6 +83,9 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
             and isinstance(example_inputs[1], dict)):
         raise TraceError("example_inputs must be a pair (args, kwargs), e.g. ((), {'hidden_states': x, ...})")
     args, kwargs = example_inputs
+    if not isinstance(args, (tuple, list)):
+        raise TraceError(f"example_inputs[0] must be a tuple or list of positional arguments, got "
+                         f"{type(args).__name__}; e.g. ((x,), {{}})")
     signature = inspect.signature(model.forward)
     named = bind_forward(signature, tuple(args), kwargs, owner)
     if "return_dict" in named:
@@ -84,9 +103,11 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
         ) from error
 
     gs = program.graph_signature
-    if any(spec.kind != OutputKind.USER_OUTPUT for spec in gs.output_specs):
-        mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
-        raise TraceError(f"{owner}.forward mutates {mutated}; partition supports inference graphs without mutation")
+    mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
+    mutated += _mutated_inputs(program)
+    if mutated:
+        raise TraceError(f"{owner}.forward mutates {sorted(set(mutated))}; partition supports inference graphs "
+                         "that do not write to their parameters, buffers or inputs")
 
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}

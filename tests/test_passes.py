@@ -248,8 +248,6 @@ def test_plan_few_rows_many_features_goes_rowwise():
     assert linear.args[0].target is aten.slice.Tensor and linear.args[0].args[0].name == "t"
 
 
-@pytest.mark.xfail(strict=True, reason="plan_sharding does not drop column seeds that reach the graph output; "
-                                       "they are all_gathered instead (and the cheap row-wise rule never applies)")
 def test_plan_graph_output_stops_column_sharding():
     """A column shard reaching the graph output is dropped (module docstring), so the table goes row-wise."""
     p = part(AdaTable(), t_in())

@@ -49,6 +49,19 @@ def _module_path(node: Node) -> str:
     return list(stack.values())[-1][0] if stack else node.name
 
 
+def _attention_module(attention: Node, q_proj: Node | None, out_proj: Node | None) -> str:
+    """The attention module's path: the longest common prefix of its q and output projections' paths."""
+    paths = [_module_path(n).split(".") for n in (q_proj, out_proj) if n is not None]
+    if not paths:
+        return _module_path(attention)
+    common = []
+    for parts in zip(*paths) if len(paths) > 1 else [(p,) for p in paths[0][:-1]]:
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common) or _module_path(attention)
+
+
 def _is_head_split(node: Node, heads: int, head_dim: int) -> bool:
     out, src = shape_of(node), shape_of(node.args[0]) if node.args else None
     return (node.target in _RESHAPES and out is not None and src is not None and len(out) >= 2
@@ -114,7 +127,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                   for role, value in zip("qkv", attention.args[:3])}
         merge, out_proj = _find_head_merge(attention, heads, head_dim)
         q_proj = _producer_linear(splits["q"].args[0]) if splits["q"] is not None else None
-        module = _module_path(out_proj or q_proj or attention).rsplit(".", 1)[0]
+        module = _attention_module(attention, q_proj, out_proj)
         info = HeadInfo(attention.name, module, heads, head_dim, "attention")
         attention.meta["heads"] = info
         ctx.attention.append(info)

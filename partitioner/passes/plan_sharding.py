@@ -86,9 +86,6 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
         if node.op == "placeholder":
             result.placements[node] = visible[node] = R
             continue
-        if node.op == "output":
-            result.decisions[node] = Decision(None, {n: R for n in node.all_input_nodes})
-            continue
         try:
             decision = rule_for(node, roles)(node, visible, degree)
         except (Unshardable, NeedsPacking) as problem:
