@@ -52,9 +52,8 @@ class MeshSpec:
         """This rank's index along ``axis`` (meshes fill row-major, the last axis fastest)."""
         if axis not in self.axis_names:
             return 0
-        coords = torch.arange(self.world_size).reshape(self.axis_sizes)
-        position = (coords == self.rank).nonzero()[0]
-        return int(position[self.axis_names.index(axis)])
+        dim = self.axis_names.index(axis)
+        return self.rank // math.prod(self.axis_sizes[dim + 1:]) % self.axis_sizes[dim]
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every process group along ``axis``, as lists of global ranks."""

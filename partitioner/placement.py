@@ -42,13 +42,27 @@ def any_sharded(placement) -> bool:
     return is_sharded(placement)
 
 
+def shard_sizes(size: int, num: int) -> list[int]:
+    """How ``size`` rows split over ``num`` ranks: as evenly as possible, the first ranks one larger
+    (7 heads over 4 ranks: 2, 2, 2, 1). Even splits are the plain ``size // num``."""
+    return [size // num + (index < size % num) for index in range(num)]
+
+
+def shard_range(size: int, num: int, index: int) -> tuple[int, int]:
+    sizes = shard_sizes(size, num)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
 def shard_slices(placement, size: int, num: int, index: int) -> list[tuple[int, int]]:
-    """The ``[start, end)`` ranges of a dimension of global ``size`` that rank ``index`` of ``num`` holds."""
-    blocks = placement.blocks if isinstance(placement, PackedShard) else (size,)
-    if sum(blocks) != size:
-        raise ValueError(f"packed blocks {list(blocks)} do not add up to the dimension size {size}")
+    """The ``[start, end)`` ranges of a dimension of ``size`` that rank ``index`` of ``num`` holds. A plain shard
+    may be uneven; each block of a packed shard must split evenly (it is a weight's fused halves)."""
+    if not isinstance(placement, PackedShard):
+        return [shard_range(size, num, index)]
+    if sum(placement.blocks) != size:
+        raise ValueError(f"packed blocks {list(placement.blocks)} do not add up to the dimension size {size}")
     ranges, offset = [], 0
-    for block in blocks:
+    for block in placement.blocks:
         if block % num:
             raise ValueError(f"a block of size {block} does not split evenly over {num} ranks")
         step = block // num
@@ -57,12 +71,20 @@ def shard_slices(placement, size: int, num: int, index: int) -> list[tuple[int, 
     return ranges
 
 
-def local_shape(shape, placements: dict, axis_sizes: dict[str, int]) -> list[int]:
-    """Per-rank shape of a value of global ``shape`` under ``placements`` (axis name -> placement)."""
+def local_shape(shape, placements: dict, mesh, upto: str | None = None) -> list[int]:
+    """This rank's shape of a value of global ``shape`` under ``placements`` (axis name -> placement).
+
+    Axes apply in mesh order: a dim sharded over two axes is split by the outer axis, then the outer shard by the
+    inner axis (DTensor's convention). With ``upto``, only the axes before that one apply: the size the ``upto``
+    axis itself splits."""
     out = list(shape)
-    for axis, placement in placements.items():
+    for axis in mesh.axis_names:
+        if axis == upto:
+            break
+        placement = placements.get(axis)
         if is_sharded(placement):
-            out[placement.dim] //= axis_sizes[axis]
+            ranges = shard_slices(placement, out[placement.dim], mesh.size(axis), mesh.coordinate(axis))
+            out[placement.dim] = sum(end - start for start, end in ranges)
     return out
 
 

@@ -65,12 +65,12 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def _local_numel(node, sizes) -> int:
+def _local_numel(node, mesh) -> int:
     """Elements this rank holds, whether meta["val"] is still global (before localize) or already local."""
     val = node.meta["val"]
     if "global_shape" in node.meta:
         return val.numel()
-    shape = local_shape(val.shape, node.meta.get("placements", {}), sizes)
+    shape = local_shape(val.shape, node.meta.get("placements", {}), mesh)
     return torch.Size(shape).numel()
 
 
@@ -85,13 +85,12 @@ def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
 
 
 def build_report(gm: GraphModule, ctx: PassContext) -> Report:
-    sizes = ctx.mesh.sizes
     parameters, replicated, buffers = 0, 0, 0
     by_dtype: dict[str, int] = defaultdict(int)
     for node, graph_input in ctx.placeholder_inputs(gm).items():
         if graph_input.kind == "user" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        numel = _local_numel(node, sizes)
+        numel = _local_numel(node, ctx.mesh)
         size = numel * node.meta["val"].element_size()
         if graph_input.kind != "parameter":
             buffers += size

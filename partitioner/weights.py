@@ -11,8 +11,9 @@ from .placement import local_shape, slice_local
 def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tensor:
     """Cut ``tensor`` by ``spec`` ({axis: placement}) for this rank, detached: partitions are for inference."""
     tensor = tensor.detach()
-    for axis, placement in spec.items():
-        tensor = slice_local(tensor, placement, mesh.size(axis), mesh.coordinate(axis))
+    for axis in mesh.axis_names:  # outer axes first, as local_shape
+        if axis in spec:
+            tensor = slice_local(tensor, spec[axis], mesh.size(axis), mesh.coordinate(axis))
     return tensor
 
 
@@ -22,4 +23,4 @@ def shard_state(state: dict[str, torch.Tensor], names, slice_specs: dict[str, di
 
 
 def local_numel(shape, spec: dict, mesh: MeshSpec) -> int:
-    return torch.Size(local_shape(shape, spec, mesh.sizes)).numel()
+    return torch.Size(local_shape(shape, spec, mesh)).numel()

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
-from ..placement import PackedShard, Partial, Replicate, Shard, is_sharded, shard_slices
+from ..placement import PackedShard, Partial, Replicate, Shard, is_sharded, local_shape, shard_slices
 from ..rules import PartitionError
 
 aten = torch.ops.aten
@@ -100,7 +100,7 @@ def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     """This rank's part of a replicated value: free, no communication."""
     graph = producer.graph
-    size = producer.meta["val"].shape[placement.dim]
+    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[placement.dim]
     ranges = shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
     pieces, anchor = [], producer
     for start, end in ranges:

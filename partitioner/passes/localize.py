@@ -32,34 +32,34 @@ def _shape(val):
     return None
 
 
-def _expected_local(node: Node, sizes: dict[str, int]):
+def _expected_local(node: Node, mesh):
     shape, placements = node.meta["global_shape"], node.meta["placements"]
     if shape is None or not shape or not isinstance(shape[0], tuple):
-        return tuple(local_shape(shape, placements, sizes)) if shape is not None else None
+        return tuple(local_shape(shape, placements, mesh)) if shape is not None else None
     per_output = [{axis: p[i] if isinstance(p, tuple) else p for axis, p in placements.items()}
                   for i in range(len(shape))]
-    return tuple(tuple(local_shape(s, p, sizes)) if s is not None else None for s, p in zip(shape, per_output))
+    return tuple(tuple(local_shape(s, p, mesh)) if s is not None else None for s, p in zip(shape, per_output))
 
 
-def _localize_sizes(node: Node, sizes: dict[str, int]) -> None:
+def _localize_sizes(node: Node, mesh) -> None:
     placements = node.meta["placements"]
     if not any(is_sharded(p) for p in placements.values()):
         return
     if node.target in _SIZED_VIEWS:
-        node.args = (node.args[0], _expected_local(node, sizes))
+        node.args = (node.args[0], _expected_local(node, mesh))
     elif node.target is aten.unflatten.int:
         dim, split = node.args[1], list(node.args[2])
         if -1 not in split:  # no inferred size: name the local one
             out_dim = dim % len(node.meta["global_shape"]) if dim < 0 else dim
-            split[0] = _expected_local(node, sizes)[out_dim]
+            split[0] = _expected_local(node, mesh)[out_dim]
         node.args = (node.args[0], dim, split)
     elif node.target is aten.expand.default:
-        local = _expected_local(node, sizes)
+        local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    sizes = ctx.mesh.sizes
+    mesh = ctx.mesh
     for node in gm.graph.nodes:
         node.meta["global_shape"] = _shape(node.meta.get("val"))
     for node, graph_input in ctx.placeholder_inputs(gm).items():
@@ -68,12 +68,12 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             ctx.slice_specs[graph_input.target] = sharded
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            _localize_sizes(node, sizes)
+            _localize_sizes(node, mesh)
     gm.recompile()
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        fake_inputs = [torch.empty(_expected_local(n, sizes), dtype=n.meta["val"].dtype, device=n.meta["val"].device)
+        fake_inputs = [torch.empty(_expected_local(n, mesh), dtype=n.meta["val"].dtype, device=n.meta["val"].device)
                        if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
                        for n in gm.graph.nodes if n.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
@@ -86,7 +86,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.op == "output" or node.meta.get("global_shape") is None:
             continue
-        expected, actual = _expected_local(node, ctx.mesh.sizes), _shape(node.meta.get("val"))
+        expected, actual = _expected_local(node, ctx.mesh), _shape(node.meta.get("val"))
         if expected != actual:
             raise AssertionError(f"{node.name}: local shape {actual} but placements "
                                  f"{node.meta['placements']} of {node.meta['global_shape']} imply {expected}")
