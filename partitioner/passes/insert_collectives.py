@@ -5,7 +5,8 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
   consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
-- Shard -> Replicate: ``all_gather_into_tensor`` (the sharded dim moved to the front and back).
+- Shard -> Replicate: ``collectives.all_gather`` (uneven shards padded to the largest, then trimmed).
+- Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
 
 New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
@@ -17,7 +18,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
-from ..placement import PackedShard, Partial, Replicate, Shard, is_sharded, local_shape, shard_slices
+from .. import collectives
+from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape, shard_sizes, shard_slices
 from ..rules import PartitionError
 
 aten = torch.ops.aten
@@ -72,29 +74,32 @@ def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
     return result
 
 
+def _axis_sizes(producer: Node, dim: int, axis: str, ctx: PassContext) -> list[int]:
+    """How ``dim`` of ``producer`` splits over ``axis``: the size left by outer axes, split as evenly as can be."""
+    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[dim]
+    return shard_sizes(size, ctx.mesh.size(axis))
+
+
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     if isinstance(placement, PackedShard):
         raise PartitionError(f"{producer.name}: gathering a packed shard {placement} is not supported; "
                              "override the plan so that this value stays replicated")
-    graph, dim, degree = producer.graph, placement.dim, ctx.mesh.size(axis)
-    # all_gather_into_tensor concatenates along dim 0, rank by rank: bring the sharded dim there and back.
-    with graph.inserting_after(producer):
-        front = graph.call_function(aten.movedim.int, (producer, dim, 0))
-    with graph.inserting_after(front):
-        dense = graph.call_function(aten.contiguous.default, (front,))
-    with graph.inserting_after(dense):
-        gather = graph.call_function(functional.all_gather_into_tensor.default,
-                                     (dense, degree, ctx.mesh.group_name(axis)))
-    with graph.inserting_after(gather):
-        wait = graph.call_function(functional.wait_tensor.default, (gather,))
-    with graph.inserting_after(wait):
-        back = graph.call_function(aten.movedim.int, (wait, 0, dim))
-    moved = producer.meta["val"].movedim(dim, 0)
-    _annotate(front, producer, axis, Shard(0), {producer: placement}, val=moved)
-    _annotate(dense, producer, axis, Shard(0), {front: Shard(0)}, val=moved)
-    _annotate(gather, producer, axis, R, {dense: Shard(0)}, "all_gather", val=moved)
-    _annotate(wait, producer, axis, R, {gather: R}, val=moved)
-    return _annotate(back, producer, axis, R, {wait: R})
+    sizes = _axis_sizes(producer, placement.dim, axis, ctx)
+    with producer.graph.inserting_after(producer):
+        gather = producer.graph.call_function(
+            collectives.all_gather, (producer, placement.dim, sizes, ctx.mesh.group_name(axis)))
+    return _annotate(gather, producer, axis, R, {producer: placement}, "all_gather")
+
+
+def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext) -> Node:
+    """Shard(a) -> Shard(b) over one axis: every rank sends each peer its part of b, receives its part of a."""
+    if isinstance(current, PackedShard) or isinstance(required, PackedShard):
+        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is not supported")
+    args = (producer, required.dim, current.dim, _axis_sizes(producer, required.dim, axis, ctx),
+            _axis_sizes(producer, current.dim, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
+    with producer.graph.inserting_after(producer):
+        exchange = producer.graph.call_function(collectives.all_to_all, args)
+    return _annotate(exchange, producer, axis, required, {producer: current}, "all_to_all")
 
 
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
@@ -119,6 +124,8 @@ def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext
         return _narrow(producer, required, axis, ctx)
     if is_sharded(current) and required == R:
         return _all_gather(producer, current, axis, ctx)
+    if is_sharded(current) and is_sharded(required):
+        return _all_to_all(producer, current, required, axis, ctx)
     raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
 
 
