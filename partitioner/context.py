@@ -20,6 +20,8 @@ class PassContext:
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
     slice_specs: dict[str, dict] = field(default_factory=dict)  # tensor FQN -> {axis: placement} (localize)
     attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
+    sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded
+    sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
 
     def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -17,8 +17,6 @@ from typing import Mapping
 import torch
 
 KNOWN_AXES = ("tp", "ulysses")
-# Axes this version can shard along; "ulysses" is accepted by the mesh but not yet planned.
-SUPPORTED_AXES = ("tp",)
 
 
 class MeshError(ValueError):
@@ -73,10 +71,21 @@ def _check_axis_names(names) -> None:
     for name in names:
         if name not in KNOWN_AXES:
             raise MeshError(f"unknown mesh dim name {name!r}: use names from {list(KNOWN_AXES)}")
-        if name not in SUPPORTED_AXES:
-            raise MeshError(f"mesh dim {name!r} is not supported by this version yet; supported: {list(SUPPORTED_AXES)}")
     if len(set(names)) != len(names):
         raise MeshError(f"mesh dim names repeat: {list(names)}")
+
+
+def _check_contiguous_ulysses(spec: MeshSpec) -> MeshSpec:
+    """Ulysses all-to-all groups must be runs of consecutive ranks: Neuron's all-to-all rejects strided groups
+    such as [0, 2, 4, 6] at run time with an opaque error (all-reduce tolerates them), so refuse them here."""
+    if "ulysses" in spec.axis_names and spec.size("ulysses") > 1:
+        groups = spec.groups("ulysses")
+        if any(group != list(range(group[0], group[0] + len(group))) for group in groups):
+            order = tuple(name for name in spec.axis_names if name != "ulysses") + ("ulysses",)
+            raise MeshError(f"the ulysses axis of mesh {spec.sizes} makes strided all-to-all groups {groups[:2]}"
+                            f"{'...' if len(groups) > 2 else ''}; order the mesh dims {order} so that ulysses "
+                            "is the innermost (contiguous) axis")
+    return spec
 
 
 def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
@@ -95,13 +104,13 @@ def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
                             f"the world has {world}: sub-meshes are not supported")
         if mesh.mesh.flatten().tolist() != list(range(world)):
             raise MeshError(f"the mesh must list ranks 0..{world - 1} in row-major order, got {mesh.mesh.tolist()}")
-        return MeshSpec(
+        return _check_contiguous_ulysses(MeshSpec(
             axis_names=tuple(names),
             axis_sizes=tuple(mesh.mesh.shape),
             rank=torch.distributed.get_rank(),
             group_names={name: mesh.get_group(name).group_name for name in names},
             device_type=mesh.device_type,
-        )
+        ))
     if isinstance(mesh, Mapping):
         names = tuple(mesh)
         _check_axis_names(names)
@@ -117,5 +126,5 @@ def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
             raise MeshError(f"rank must be an integer, got {rank!r}")
         if not 0 <= rank < world:
             raise MeshError(f"rank {rank} is outside the mesh {dict(mesh)} of {world} ranks")
-        return MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None)
+        return _check_contiguous_ulysses(MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None))
     raise MeshError(f"mesh must be a DeviceMesh or a mapping of axis sizes such as {{'tp': 2}}, got {type(mesh).__name__}")

@@ -47,6 +47,9 @@ class NeedsPacking(Exception):
 class Decision:
     output: object  # a placement, or a tuple of placements for ops returning several tensors
     inputs: dict[Node, object] = field(default_factory=dict)
+    # What consumers get, when it differs from what the op computes: redistributed right after the op
+    # (Ulysses attention computes head-sharded and hands back sequence-sharded).
+    visible: object = None
 
 
 @dataclass
@@ -276,6 +279,17 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
     return Decision(_with_dim(placement, out_dim), _same_as_input(node, placements, source).inputs)
 
 
+def index_select(node: Node, placements, axis_size: int) -> Decision:
+    """Rows picked by an index: a sharded index picks this rank's rows of a replicated table, locally (H3's
+    per-row AdaLN parameters under sequence parallelism)."""
+    source, dim, index = node.args[:3]
+    if is_sharded(placements.get(index, R)):
+        if is_sharded(placements.get(source, R)):
+            raise Unshardable("index_select with both the table and the index sharded")
+        return Decision(Shard(_norm_dim(dim, len(shape_of(source)))), {source: R, index: placements[index]})
+    return slice_like(node, placements, axis_size)
+
+
 # --- ops returning several tensors ------------------------------------------------------------------------------
 
 def split(node: Node, placements, axis_size: int) -> Decision:
@@ -424,6 +438,46 @@ def make_linear_rule(roles: LinearRoles) -> Callable:
     return linear
 
 
+def row_local_linear(node: Node, placements, axis_size: int) -> Decision:
+    """Over a sequence axis a linear is applied row by row with the whole weight: rows may be sharded,
+    features may not."""
+    x = node.args[0]
+    px = placements.get(x, R)
+    if is_sharded(px) and px.dim == len(shape_of(x)) - 1:
+        raise Unshardable("features sharded over a sequence-parallel axis")
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs[x] = px
+    return Decision(px, inputs)
+
+
+def make_sequence_attention(axis: str) -> Callable:
+    def sequence_attention(node: Node, placements, axis_size: int) -> Decision:
+        """Ulysses: q/k/v sharded along the sequence are exchanged (all_to_all) to be sharded along heads, the
+        attention runs over the whole sequence for this rank's heads, and the output goes back to sequence
+        sharding. Heads or sequence lengths that do not divide the degree split unevenly; nothing is padded."""
+        q, k, v = node.args[:3]
+        sharded = _sharded_inputs(node, placements)
+        if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
+            return attention(node, placements, axis_size)
+        if len(node.all_input_nodes) > 3:
+            raise Unshardable("sequence-parallel attention with a mask is not supported")
+        if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1]:
+            raise Unshardable("sequence-parallel attention needs self-attention with as many key as query heads")
+        info = node.meta.get("heads")
+        where = info.module if info is not None else node.name
+        # More ranks than the heads a tp rank holds is correct but leaves ranks without heads; more ranks than
+        # the model has heads is refused.
+        heads = shape_of(q)[1]
+        if heads < axis_size:
+            raise PartitionError(f"{where}: {heads} attention heads cannot be spread over a {axis} degree of "
+                                 f"{axis_size}; use a degree of at most {heads}")
+        if shape_of(q)[2] < axis_size:
+            raise PartitionError(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
+                                 f"degree of {axis_size}")
+        return Decision(Shard(1), {q: Shard(1), k: Shard(1), v: Shard(1)}, visible=Shard(2))
+    return sequence_attention
+
+
 def type_as(node: Node, placements, axis_size: int) -> Decision:
     # the second argument only lends its dtype
     return _same_as_input(node, placements, node.args[0], dont_care=(node.args[1],))
@@ -479,7 +533,7 @@ RULES: dict[object, Callable] = {
     aten.slice.Tensor: slice_like,
     aten.select.int: slice_like,
     aten.narrow.default: slice_like,
-    aten.index_select.default: slice_like,
+    aten.index_select.default: index_select,
     aten.chunk.default: split,
     aten.split.Tensor: split,
     aten.split_with_sizes.default: split,
@@ -515,12 +569,16 @@ def graph_output(node: Node, placements, axis_size: int) -> Decision:
     return Decision(None, {n: R for n in node.all_input_nodes})
 
 
-def rule_for(node: Node, roles: LinearRoles) -> Callable:
+def rule_for(node: Node, roles: LinearRoles | None = None, sequence_axis: str | None = None) -> Callable:
+    """The rule for ``node``: tensor-parallel linears by ``roles``, or, with ``sequence_axis`` (an axis name),
+    the rules of a sequence-parallel axis (row-local linears, Ulysses attention)."""
     if node.op == "output":
         return graph_output
     target = node.target
     if target is aten.linear.default:
-        return make_linear_rule(roles)
+        return row_local_linear if sequence_axis else make_linear_rule(roles)
+    if target is aten.scaled_dot_product_attention.default and sequence_axis:
+        return make_sequence_attention(sequence_axis)
     if target in RULES:
         return RULES[target]
     if target is operator.getitem:

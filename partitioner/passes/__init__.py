@@ -1,10 +1,11 @@
 """The rewrite passes, in the order they run. Each is ``run(gm, ctx) -> gm`` and checks its own postcondition."""
 
-from . import annotate_heads, insert_collectives, localize, plan_sharding
+from . import annotate_heads, insert_collectives, localize, plan_sequence, plan_sharding
 
 PIPELINE = (
     ("annotate_heads", annotate_heads.run),
     ("plan_sharding", plan_sharding.run),
+    ("plan_sequence", plan_sequence.run),
     ("insert_collectives", insert_collectives.run),
     ("localize", localize.run),
 )

@@ -32,7 +32,10 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
     """Metadata for a new node: global value ``val`` (default: ``like``'s), placement, input requirements."""
     node.meta["val"] = like.meta["val"] if val is None else val
     node.meta["placements"] = {**like.meta["placements"], axis: placement}
-    node.meta["required"] = {axis: required}
+    # over every other axis the new node takes its inputs as they are
+    node.meta["required"] = {other: {n: n.meta["placements"][other] for n in node.all_input_nodes}
+                             for other in like.meta["placements"] if other != axis}
+    node.meta["required"][axis] = required
     if "nn_module_stack" in like.meta:
         node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
     if collective:
@@ -44,17 +47,19 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str) -> Node:
     """linear(x, W_shard, b) summed over ranks would add b once per rank: add it once after the sum."""
     bias = linear.args[2]
     linear.args = linear.args[:2]
-    linear.meta["required"][axis].pop(bias, None)
+    for requirements in linear.meta["required"].values():
+        requirements.pop(bias, None)
     graph = linear.graph
     with graph.inserting_after(reduced):
         added = graph.call_function(aten.add.Tensor, (reduced, bias))
     return _annotate(added, linear, axis, R, {reduced: R, bias: R})
 
 
-def _rekey(user: Node, old: Node, new: Node, axis: str) -> None:
-    requirements = user.meta["required"].setdefault(axis, {})
-    if old in requirements:
-        requirements[new] = requirements.pop(old)
+def _rekey(user: Node, old: Node, new: Node) -> None:
+    """``user`` now reads ``new`` where it read ``old``: its requirements (every axis) follow."""
+    for requirements in user.meta["required"].values():
+        if old in requirements:
+            requirements[new] = requirements.pop(old)
 
 
 def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
@@ -70,7 +75,7 @@ def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
         result = _move_bias_after(producer, wait, axis)
     for user in users:
         user.replace_input_with(producer, result)
-        _rekey(user, producer, result, axis)
+        _rekey(user, producer, result)
     return result
 
 
@@ -146,7 +151,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 if key not in redistributed:
                     redistributed[key] = _redistribute(producer, current, required, axis, ctx)
                 node.replace_input_with(producer, redistributed[key])
-                _rekey(node, producer, redistributed[key], axis)
+                _rekey(node, producer, redistributed[key])
     gm.graph.lint()
     gm.recompile()
     check(gm)

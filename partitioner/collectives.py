@@ -1,0 +1,47 @@
+"""Collectives the rewritten graphs call, over PyTorch's functional collectives (each followed by wait_tensor).
+
+They take plain ints and a process group name, so a rank's graph stays a pure function of its inputs, and they
+handle uneven shards: a sequence of 23 rows over 2 ranks is 12 + 11, 7 heads over 4 ranks 2 + 2 + 2 + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  (registers torch.ops._c10d_functional)
+
+functional = torch.ops._c10d_functional
+
+
+def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
+    """Concatenate every rank's shard of ``x`` along ``dim``; rank i holds ``sizes[i]`` rows of it."""
+    largest = max(sizes)
+    front = x.movedim(dim, 0)
+    if front.shape[0] < largest:  # all_gather_into_tensor needs equal pieces: pad, then drop the padding
+        front = torch.cat([front, front.new_zeros((largest - front.shape[0], *front.shape[1:]))])
+    gathered = functional.wait_tensor(
+        functional.all_gather_into_tensor(front.contiguous(), len(sizes), group_name))
+    if len(set(sizes)) > 1:
+        gathered = torch.cat([piece[:size] for piece, size in zip(gathered.split(largest), sizes)])
+    return gathered.movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
+               gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
+    """Move the sharding of ``x`` from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
+
+    This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
+    ``scatter_dim``; it sends rank j its ``scatter_sizes[j]`` rows of ``scatter_dim`` and receives from rank i
+    ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened, so uneven sizes on both dims work."""
+    pieces = x.split(scatter_sizes, dim=scatter_dim)
+    send = torch.cat([piece.reshape(-1) for piece in pieces])
+    shapes = []
+    for size in gather_sizes:
+        shape = list(x.shape)
+        shape[gather_dim], shape[scatter_dim] = size, scatter_sizes[index]
+        shapes.append(shape)
+    received = functional.wait_tensor(functional.all_to_all_single(
+        send, [math.prod(s) for s in shapes], [piece.numel() for piece in pieces], group_name))
+    parts = received.split([math.prod(s) for s in shapes])
+    return torch.cat([part.view(shape) for part, shape in zip(parts, shapes)], dim=gather_dim)
