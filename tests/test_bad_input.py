@@ -69,10 +69,25 @@ def test_rank_outside_mesh(h3, rank):
         partition(h3[0], {"tp": 2}, ((), h3[1]), rank=rank)
 
 
-def test_ulysses_not_supported_yet(h3):
-    """'ulysses' is a known name but not planned yet: a MeshError saying so."""
-    with pytest.raises(MeshError, match=r"'ulysses' is not supported.*\['tp'\]"):
-        partition(h3[0], {"ulysses": 2}, ((), h3[1]))
+def test_strided_ulysses_groups_rejected(h3):
+    """Ulysses outside the innermost axis makes strided all-to-all groups: refused, naming them and the order."""
+    with pytest.raises(MeshError, match=r"strided all-to-all groups \[\[0, 2, 4, 6\], \[1, 3, 5, 7\]\].*"
+                                        r"\('tp', 'ulysses'\)"):
+        partition(h3[0], {"ulysses": 4, "tp": 2}, ((), h3[1]))
+
+
+def test_ulysses_degree_above_head_count(h3):
+    """A Ulysses degree above the model's head count is a PartitionError naming the module and both sizes."""
+    with pytest.raises(PartitionError, match=r"refiner_blocks\.0\.attn: 4 attention heads .* ulysses degree of 8"):
+        partition(h3[0], {"ulysses": 8}, ((), h3[1]))
+
+
+def test_ulysses_degree_above_sequence_length():
+    """A Ulysses degree above the packed length is a PartitionError naming the length and the degree."""
+    model = tiny_h3(num_attention_heads=8)
+    inputs = h3_inputs(TINY_H3, text=1, video=2, audio=1)
+    with pytest.raises(PartitionError, match=r"sequence of 4 rows .* ulysses degree of 8"):
+        partition(model, {"ulysses": 8}, ((), inputs))
 
 
 def test_mesh_of_wrong_type(h3):
