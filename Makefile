@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 .PHONY: demo test
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
+	$(PY) examples/h3_tp_ulysses.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

@@ -28,6 +28,7 @@ class Report:
     replicated_bytes: int  # of which held whole by every rank
     buffer_bytes: int
     collectives: list[CollectiveStat]
+    activation_peak_bytes: int  # estimate: most bytes of intermediate values alive at once, run in graph order
     linear_styles: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -52,6 +53,7 @@ class Report:
                          f"{_bytes(c.count * c.bytes_per_call):>12}")
         if not self.collectives:
             lines.append("  (none)")
+        lines.append(f"  activation peak per rank (estimate): {_bytes(self.activation_peak_bytes)}")
         styles = Counter(self.linear_styles.values())
         lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
         return "\n".join(lines)
@@ -72,6 +74,41 @@ def _local_numel(node, mesh) -> int:
         return val.numel()
     shape = local_shape(val.shape, node.meta.get("placements", {}), mesh)
     return torch.Size(shape).numel()
+
+
+def _is_view(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(map(_nbytes, val))
+    return 0
+
+
+def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
+    """Peak bytes of live intermediate values when the graph runs in order and frees each value after its last
+    use. Views allocate nothing; model tensors are counted as parameters, not here. Allocator caching, kernel
+    workspaces and fusion are not modelled: an estimate for comparing layouts, not a promise."""
+    model_tensors = {n for n, gi in ctx.placeholder_inputs(gm).items() if gi.kind != "user"}
+    last_use = {}
+    for index, node in enumerate(gm.graph.nodes):
+        for source in node.all_input_nodes:
+            last_use[source] = index
+    live, peak, sizes = 0, 0, {}
+    for index, node in enumerate(gm.graph.nodes):
+        if node not in model_tensors and node.op != "output" and not _is_view(node):
+            sizes[node] = _nbytes(node.meta.get("val"))
+            live += sizes[node]
+            peak = max(peak, live)
+        for source in set(node.all_input_nodes):
+            if last_use.get(source) == index:
+                live -= sizes.pop(source, 0)
+    return peak
 
 
 def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
@@ -100,4 +137,4 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
         if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
-                  dict(ctx.linear_styles))
+                  activation_peak(gm, ctx), dict(ctx.linear_styles))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import socket
 import tempfile
@@ -88,3 +90,30 @@ def run_ranks(world: int, fn, *args) -> list:
                 raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
             results.append(payload["ok"])
         return results
+
+
+# A realistic packed length for full-size H3: 512 text rows, 36864 video rows (e.g. 32 frames of 48 x 24 patches),
+# 512 audio rows: 37888 in all.
+FULL_H3_ROWS = dict(text=512, video=36864, audio=512)
+
+
+def full_h3_on_meta(timesteps: int = 2):
+    """Full-size MiniMax-H3 (33B parameters) on the meta device, and meta inputs of a realistic packed length."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel()
+    return model, h3_inputs(dict(model.config), **FULL_H3_ROWS, timesteps=timesteps, device="meta")
+
+
+@contextlib.contextmanager
+def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int):
+    """A DeviceMesh on PyTorch's fake process group: plan rank ``rank`` of a large job in this one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    try:
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+    finally:
+        dist.destroy_process_group()

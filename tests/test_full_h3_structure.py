@@ -9,9 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from partitioner.testing import h3_inputs
+from partitioner.testing import fake_mesh, full_h3_on_meta
 
 TP = 8
 RANK = 3
@@ -21,25 +20,13 @@ functional = torch.ops._c10d_functional
 
 @pytest.fixture(scope="module")
 def full_h3():
-    from diffusers import MiniMaxH3Transformer3DModel
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import partitioner
 
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel()
-    # A realistic packed length: 512 text rows, 36864 video rows (e.g. 32 frames x 48 x 24 patches), 512 audio rows.
-    inputs = h3_inputs(dict(model.config), text=512, video=36864, audio=512, timesteps=2, device="meta")
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=TP)
-    try:
-        mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    model, inputs = full_h3_on_meta()
+    with fake_mesh((TP,), ("tp",), RANK) as mesh:
         start = time.perf_counter()
         partitioned = partitioner.partition(model, mesh, ((), inputs))
-        seconds = time.perf_counter() - start
-        yield model, partitioned, mesh, seconds
-    finally:
-        dist.destroy_process_group()
+        yield model, partitioned, mesh, time.perf_counter() - start
 
 
 def _module_of(node) -> str:
