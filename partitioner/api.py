@@ -10,10 +10,11 @@ import torch
 from . import backends
 from .context import PassContext
 from .dump import Dumper
-from .mesh import as_mesh_spec
+from .mesh import MeshSpec, as_mesh_spec
 from .passes import PIPELINE
 from .report import Report, build_report
-from .runtime import CompiledPartition
+from .checkpoint import CheckpointError, load_shards
+from .runtime import CompiledPartition, place_graph_on
 from .trace import Traced, trace
 from .weights import shard_state
 
@@ -29,6 +30,29 @@ class Partitioned:
         tensor_names = [gi.target for gi in ctx.inputs if gi.kind != "user"]
         self.state = shard_state(traced.state, tensor_names, ctx.slice_specs, ctx.mesh)
         traced.state = {}  # the full tensors are the model's; keep only this rank's shards
+
+    def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
+        """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
+        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
+        Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
+        Nothing is replaced unless every tensor was found and read."""
+        expected, computed = {}, []
+        for node, graph_input in self.ctx.placeholder_inputs(self.graph_module).items():
+            if graph_input.kind == "user":
+                continue
+            if graph_input.persistent:
+                expected[graph_input.target] = (node.meta["global_shape"], node.meta["val"].dtype)
+            else:
+                computed.append(graph_input.target)
+        on_meta = [name for name in computed if self.state[name].is_meta]
+        if on_meta:
+            raise CheckpointError(f"non-persistent buffers {on_meta} are on the meta device and no checkpoint holds "
+                                  "them; build the model under accelerate.init_empty_weights() so buffers stay real")
+        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
+        device = torch.device(device) if device is not None else self.mesh.device
+        shards.update({name: self.state[name] for name in computed})
+        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
+        return self
 
     @property
     def mesh(self):
@@ -65,23 +89,51 @@ class Partitioned:
             raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
                                "needs real weights to run")
         tensor_inputs = [gi.target for gi in self.ctx.inputs if gi.kind != "user"]
+        devices = {t.device for t in self.state.values()}
+        if len(devices) > 1:
+            raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
+        place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
         lowered = backends.get(backend)(self.graph_module, None)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
                                  self.model_name)
+
+
+def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
+    """Non-persistent buffers of a model built on the meta device (``rope.inv_freq``) are in no checkpoint: compute
+    them by rebuilding a diffusers model from its config with parameters on meta and buffers real (accelerate's
+    ``init_empty_weights``), which costs no weight memory."""
+    names = [gi.target for gi in traced.inputs if gi.kind == "buffer" and not gi.persistent
+             and traced.state[gi.target].is_meta]
+    if not names or not (hasattr(model, "config") and hasattr(type(model), "from_config")):
+        return
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        fresh = type(model).from_config(model.config)
+    buffers = dict(fresh.named_buffers())
+    for name in names:
+        traced.state[name] = buffers[name]
 
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
               dump_dir: str | Path | None = None, rank: int = 0) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
-    ``mesh``: a DeviceMesh with dim names from {"tp"}, or axis sizes such as ``{"tp": 8}`` to plan without process
-    groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers' ``_tp_plan`` key
-    syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``. ``dump_dir`` (or ``$PARTITIONER_DUMP``): write
-    the graph after every pass.
+    ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
+    without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
+    ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``. ``dump_dir`` (or
+    ``$PARTITIONER_DUMP``): write the graph after every pass.
     """
     spec = as_mesh_spec(mesh, rank)
     traced = trace(model, example_inputs)
-    ctx = PassContext(spec, traced.inputs, dict(plan or {}))
+    _compute_meta_buffers(model, traced)
+    return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir)
+
+
+def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
+                     dump_dir: str | Path | None = None) -> Partitioned:
+    """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes)."""
+    ctx = PassContext(mesh, traced.inputs, dict(plan or {}))
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
@@ -89,4 +141,4 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
         gm = run_pass(gm, ctx)
         dump(name, gm, ctx)
     traced.graph_module = gm
-    return Partitioned(type(model).__name__, traced, ctx)
+    return Partitioned(model_name, traced, ctx)

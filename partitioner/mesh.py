@@ -43,6 +43,13 @@ class MeshSpec:
     def runnable(self) -> bool:
         return self.group_names is not None
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's tensors live: the mesh's device type (the current CUDA device for "cuda")."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
 

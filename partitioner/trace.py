@@ -26,6 +26,7 @@ class GraphInput:
     (``kind`` user, ``target`` its index among the flattened forward arguments)."""
     kind: str
     target: str | int
+    persistent: bool = True  # False for non-persistent buffers and constants: not in a checkpoint
 
 
 @dataclass
@@ -121,7 +122,8 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
             inputs.append(GraphInput("user", user_index))
             user_index += 1
         elif spec.kind in kinds:
-            inputs.append(GraphInput(kinds[spec.kind], spec.target))
+            persistent = spec.kind == InputKind.PARAMETER or bool(spec.persistent)
+            inputs.append(GraphInput(kinds[spec.kind], spec.target, persistent))
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = program.graph_module

@@ -99,19 +99,16 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
-    if ctx.mesh.size(AXIS) > 1 and attentions:
-        feeds_attention = _ancestors(attentions)
+    feeds_attention = _ancestors(attentions)
+    if ctx.mesh.size(AXIS) > 1:
         seeds = _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention)
-        while True:
-            decisions, failed = _propagate(gm, seeds, feeds_attention, ctx)
-            for seed, reason in failed.items():
-                ctx.sequence_stopped[seed.name] = reason
-                del seeds[seed]
-            if not failed:
-                break
-    else:
-        decisions = {node: replicate_all(node, {}) if node.op != "placeholder" else Decision(R)
-                     for node in gm.graph.nodes}
+    while True:
+        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx)
+        for seed, reason in failed.items():
+            ctx.sequence_stopped[seed.name] = reason
+            del seeds[seed]
+        if not failed:
+            break
     for node in gm.graph.nodes:
         node.meta["placements"][AXIS] = decisions[node].output
         node.meta["required"][AXIS] = decisions[node].inputs

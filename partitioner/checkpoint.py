@@ -1,0 +1,129 @@
+"""Shard-on-read: every rank reads only its own slices of each tensor from safetensors files.
+
+A 33B checkpoint never passes through one rank: ``safe_open(...).get_slice(name)[ranges]`` copies just the rows
+and columns the rank's slicing spec names (each block of a packed tensor separately). Single files and diffusers'
+sharded layout (``diffusion_pytorch_model.safetensors.index.json``) are both read. Everything is checked before
+anything is used: missing, unexpected, mis-shaped or mis-typed tensors and unreadable files raise one
+``CheckpointError`` listing them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from .mesh import MeshSpec
+from .placement import PackedShard, is_sharded, shard_slices
+
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+SINGLE = "diffusion_pytorch_model.safetensors"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for a file, an index file or a diffusers model folder."""
+    path = Path(path)
+    if path.is_dir():
+        for candidate in (path / INDEX, path / SINGLE):
+            if candidate.exists():
+                path = candidate
+                break
+        else:
+            found = sorted(path.glob("*.safetensors.index.json")) or sorted(path.glob("*.safetensors"))
+            if len(found) != 1:
+                raise CheckpointError(f"{path}: expected {INDEX}, {SINGLE} or a single *.safetensors file, found "
+                                      f"{[f.name for f in found] or 'none'}")
+            path = found[0]
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map'): {error}") from None
+        return {name: path.parent / file for name, file in weight_map.items()}
+    with _open(path) as handle:
+        return {name: path for name in handle.keys()}
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def shard_ranges(shape, spec: dict, mesh: MeshSpec) -> list[list[tuple[int, int]]]:
+    """For each dim, the ``[start, end)`` ranges this rank holds (several for a packed dim), axes in mesh order."""
+    ranges = [[(0, size)] for size in shape]
+    for axis in mesh.axis_names:
+        placement = spec.get(axis)
+        if not is_sharded(placement):
+            continue
+        (start, end), *rest = ranges[placement.dim]
+        if rest or (isinstance(placement, PackedShard) and (start, end) != (0, shape[placement.dim])):
+            raise CheckpointError(f"nested sharding of a packed dim is not supported ({spec})")
+        ranges[placement.dim] = [(start + a, start + b) for a, b in
+                                 shard_slices(placement, end - start, mesh.size(axis), mesh.coordinate(axis))]
+    return ranges
+
+
+def read_shard(handle, name: str, spec: dict, mesh: MeshSpec) -> torch.Tensor:
+    """This rank's part of tensor ``name``: only its bytes are copied out of the file."""
+    view = handle.get_slice(name)
+    ranges = shard_ranges(view.get_shape(), spec, mesh)
+    packed = [d for d, r in enumerate(ranges) if len(r) > 1]
+    pieces = [view[tuple(slice(a, b) for a, b in combo)] for combo in itertools.product(*ranges)]
+    if not packed:
+        return pieces[0]
+    return torch.cat(pieces, dim=packed[0])
+
+
+def load_shards(path, expected: dict[str, tuple[torch.Size, torch.dtype]], specs: dict[str, dict], mesh: MeshSpec,
+                *, strict: bool = True) -> dict[str, torch.Tensor]:
+    """Read this rank's slice of every tensor in ``expected`` (name -> global shape and dtype)."""
+    files = tensor_files(path)
+    problems = []
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        problems.append(f"missing {len(missing)}: {missing[:10]}")
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected and strict:
+        problems.append(f"unexpected {len(unexpected)}: {unexpected[:10]}")
+    handles = {file: _open(file) for file in sorted(set(files[n] for n in expected if n in files))}
+    for name in sorted(set(expected) & set(files)):
+        view = handles[files[name]].get_slice(name)
+        shape, dtype = expected[name]
+        if tuple(view.get_shape()) != tuple(shape):
+            problems.append(f"{name}: shape {view.get_shape()} in {files[name].name}, the model has {list(shape)}")
+        elif _dtype(view.get_dtype()) != dtype:
+            problems.append(f"{name}: {view.get_dtype()} in {files[name].name}, the model was traced with {dtype}; "
+                            "build the model with the checkpoint's dtypes")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match the partitioned model:\n  " + "\n  ".join(problems))
+    shards = {}
+    names = sorted(expected)
+    for name in tqdm(names, desc="loading shards", unit="tensor", disable=not sys.stderr.isatty()):
+        try:
+            shards[name] = read_shard(handles[files[name]], name, specs.get(name, {}), mesh)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise CheckpointError(f"{files[name]}: cannot read {name} ({error}); the file may be truncated") from None
+    return shards
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _dtype(name: str) -> torch.dtype | str:
+    return _DTYPES.get(name.upper(), name)

@@ -1,0 +1,110 @@
+"""``python -m partitioner report``: plan a deployment on meta weights.
+
+    python -m partitioner report --model minimax-h3 --mesh tp=8,ulysses=4 --seq-len 37888 \\
+        --dtype bfloat16 --device-memory 24GiB [--json]
+    python -m partitioner report --model minimax-h3 --search --devices 64 --device-memory 24GiB --seq-len 37888
+    python -m partitioner report --config path/to/config.json --mesh tp=8 --seq-len 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import planner
+from .mesh import MeshError
+
+
+def _mesh(text: str) -> dict[str, int]:
+    try:
+        pairs = [item.split("=") for item in text.split(",") if item]
+        return {name.strip(): int(size) for name, size in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes axis=size pairs such as tp=8,ulysses=4, got {text!r}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _table(estimates: list[planner.LayoutEstimate]) -> str:
+    lines = [f"{'tp':>3} {'ulysses':>7} {'replicas':>8} {'params':>11} {'activations':>11} {'total':>11} "
+             f"{'fits':>5} {'comm/step':>11} {'compute ms':>10} {'comm ms':>8} {'step ms':>8}"]
+    for e in estimates:
+        if e.error:
+            lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8}  impossible: {e.error}")
+            continue
+        fits = {None: "-", True: "yes", False: "no"}[e.fits]
+        lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8} {_gib(sum(e.parameter_bytes.values())):>11} "
+                     f"{_gib(e.activation_bytes):>11} {_gib(e.memory_bytes):>11} {fits:>5} "
+                     f"{_gib(sum(e.collective_bytes.values())):>11} {e.compute_s * 1e3:>10.1f} "
+                     f"{e.comm_s * 1e3:>8.1f} {e.step_s * 1e3:>8.1f}")
+    return "\n".join(lines)
+
+
+def _detail(e: planner.LayoutEstimate) -> str:
+    lines = [f"layout tp={e.tp} x ulysses={e.ulysses} (rank 0)"]
+    lines += [f"  parameters {dtype:<10} {_gib(size)}" for dtype, size in sorted(e.parameter_bytes.items())]
+    lines.append(f"  activation peak (estimate) {_gib(e.activation_bytes)}")
+    lines += [f"  {kind:<12} {_gib(size)} per step" for kind, size in sorted(e.collective_bytes.items())]
+    lines.append(f"  step estimate {e.step_s * 1e3:.1f} ms (compute {e.compute_s * 1e3:.1f}, comm {e.comm_s * 1e3:.1f})")
+    if e.fits is not None:
+        lines.append(f"  needs {_gib(e.memory_bytes)} of {_gib(e.device_memory)}: {'fits' if e.fits else 'does NOT fit'}")
+    return "\n".join(lines)
+
+
+def report(args) -> int:
+    dtype = getattr(torch, args.dtype)
+    model = planner.build_meta_model(args.config or args.model, dtype)
+    inputs = planner.example_inputs(model, args.seq_len, dtype)
+    cost = planner.CostModel(args.tflops, args.link_gbps)
+    memory = planner.parse_bytes(args.device_memory) if args.device_memory else None
+    if args.search:
+        estimates = planner.search(model, inputs, args.devices, cost, memory)
+    else:
+        mesh = args.mesh or {"tp": 1}
+        unknown = set(mesh) - {"tp", "ulysses"}
+        if unknown:
+            raise MeshError(f"unknown mesh dim names {sorted(unknown)}: use tp and ulysses")
+        traced = planner.trace(model, inputs)
+        estimates = [planner.estimate(traced, type(model).__name__, mesh.get("tp", 1), mesh.get("ulysses", 1),
+                                      cost=cost, device_memory=memory)]
+    if args.json:
+        print(json.dumps([e.as_dict() for e in estimates], indent=2))
+    elif args.search:
+        print(_table(estimates))
+    else:
+        print(_detail(estimates[0]) if not estimates[0].error else f"impossible: {estimates[0].error}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m partitioner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rep = commands.add_parser("report", help="per-rank memory, communication and step estimate of a layout")
+    source = rep.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", choices=sorted(planner.MODELS))
+    source.add_argument("--config", help="a diffusers config.json, or the folder holding it")
+    rep.add_argument("--mesh", type=_mesh, help="axis sizes, e.g. tp=8,ulysses=4")
+    rep.add_argument("--seq-len", type=int, required=True, help="packed sequence rows of one request")
+    rep.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    rep.add_argument("--device-memory", help="memory of one device, e.g. 24GiB")
+    rep.add_argument("--search", action="store_true", help="rank every (tp, ulysses) layout on --devices")
+    rep.add_argument("--devices", type=int, default=8)
+    rep.add_argument("--tflops", type=float, default=planner.CostModel.tflops)
+    rep.add_argument("--link-gbps", type=float, default=planner.CostModel.link_gbps)
+    rep.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        return report(args)
+    except (ValueError, MeshError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
