@@ -78,13 +78,15 @@ def shard_ranges(shape, spec: dict, mesh: MeshSpec) -> list[list[tuple[int, int]
 
 
 def read_shard(handle, name: str, spec: dict, mesh: MeshSpec) -> torch.Tensor:
-    """This rank's part of tensor ``name``: only its bytes are copied out of the file."""
+    """This rank's part of tensor ``name``, in memory of its own: only its bytes are copied out of the file.
+    (safetensors hands out views of the memory-mapped file; a copy makes the shard contiguous and independent of
+    the file's pages.)"""
     view = handle.get_slice(name)
     ranges = shard_ranges(view.get_shape(), spec, mesh)
     packed = [d for d, r in enumerate(ranges) if len(r) > 1]
     pieces = [view[tuple(slice(a, b) for a, b in combo)] for combo in itertools.product(*ranges)]
     if not packed:
-        return pieces[0]
+        return pieces[0].clone(memory_format=torch.contiguous_format)
     return torch.cat(pieces, dim=packed[0])
 
 
