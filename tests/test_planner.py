@@ -1,0 +1,84 @@
+"""The deployment planner: `python -m partitioner report`, on full-size H3 and on a tiny config."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from partitioner.planner import layouts, parse_bytes
+from partitioner.testing import TINY_H3
+
+CLI = [sys.executable, "-m", "partitioner", "report"]
+
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_full_size_h3_on_meta_in_seconds_and_little_memory():
+    """Full H3 (50 blocks, 37888 packed rows, bfloat16 with its float32 modules) traced and partitioned for
+    TP=8 x Ulysses=4 on meta weights: seconds, well under 2 GiB, and the figures of a real deployment."""
+    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = run_cli("--model", "minimax-h3", "--mesh", "tp=8,ulysses=4", "--seq-len", "37888",
+                     "--device-memory", "24GiB", "--json")
+    seconds = time.perf_counter() - start
+    peak_kib = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before)
+    assert seconds < 120 and peak_kib < 2 * 2**20, (seconds, peak_kib)
+    (layout,) = json.loads(result.stdout)
+    assert (layout["tp"], layout["ulysses"], layout["fits"]) == (8, 4, True)
+    # ~33B parameters over 8: bfloat16 bulk about 7.7 GiB, the float32 modules a few MiB
+    assert 7.5 * 2**30 < layout["parameter_bytes"]["bfloat16"] < 8 * 2**30
+    assert 0 < layout["parameter_bytes"]["float32"] < 2**30
+    assert set(layout["collective_bytes"]) == {"all_reduce", "all_to_all", "all_gather"}
+    assert layout["compute_s"] > layout["comm_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    path = tmp_path_factory.mktemp("config")
+    MiniMaxH3Transformer3DModel.from_config(TINY_H3).save_config(path)
+    return path
+
+
+def test_config_file_report(tiny_config):
+    """A diffusers config folder works like a model name; the human-readable report names every figure."""
+    text = run_cli("--config", str(tiny_config), "--mesh", "tp=2,ulysses=2", "--seq-len", "64",
+                   "--device-memory", "1MiB").stdout
+    for words in ("layout tp=2 x ulysses=2", "parameters bfloat16", "parameters float32", "activation peak",
+                  "all_to_all", "all_reduce", "step estimate", "needs"):
+        assert words in text
+
+
+def test_search_ranks_layouts(tiny_config):
+    """--search lists every layout of the devices: possible ones first, fastest first among those that fit, and
+    impossible ones with the reason."""
+    result = json.loads(run_cli("--config", str(tiny_config), "--search", "--devices", "8", "--seq-len", "64",
+                                "--json").stdout)
+    assert {(r["tp"], r["ulysses"]) for r in result} == set(layouts(8))
+    possible = [r for r in result if r["error"] is None]
+    assert [r["step_s"] for r in possible] == sorted(r["step_s"] for r in possible)
+    impossible = {(r["tp"], r["ulysses"]): r["error"] for r in result if r["error"]}
+    assert "4 attention heads cannot be split evenly over a tp degree of 8" in impossible[(8, 1)]
+    assert all(r["replicas"] * r["tp"] * r["ulysses"] == 8 for r in result)
+
+
+def test_bad_arguments_are_clear(tiny_config):
+    result = run_cli("--config", str(tiny_config), "--mesh", "pp=2", "--seq-len", "64", check=False)
+    assert result.returncode == 2 and "unknown mesh dim names ['pp']" in result.stderr
+    result = run_cli("--config", str(tiny_config / "absent.json"), "--seq-len", "64", check=False)
+    assert result.returncode == 2 and "neither a known model" in result.stderr
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes("512") == 512
