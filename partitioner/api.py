@@ -79,8 +79,9 @@ class Partitioned:
     def report(self) -> Report:
         return build_report(self.graph_module, self.ctx)
 
-    def compile(self, backend: str = "eager"):
-        """A callable taking the model's forward arguments and returning what its forward returns."""
+    def compile(self, backend: str = "eager", **options):
+        """A callable taking the model's forward arguments and returning what its forward returns.
+        ``backend``: "eager" or "inductor" (options: ``regional=True``)."""
         if not self.mesh.runnable:
             raise RuntimeError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
                                "a DeviceMesh on initialised process groups")
@@ -93,7 +94,7 @@ class Partitioned:
         if len(devices) > 1:
             raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
-        lowered = backends.get(backend)(self.graph_module, None)
+        lowered = backends.get(backend)(self.graph_module, **options)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
                                  self.model_name)
 

@@ -31,6 +31,7 @@ class CompiledPartition:
 
     def __init__(self, lowered: Callable, traced: Traced, state: list[torch.Tensor], owner: str):
         self.lowered = lowered
+        self.stats = getattr(lowered, "stats", None)  # compilation counts, for backends that compile
         self.traced = traced
         self.state = state  # this rank's tensors, in placeholder order
         self.owner = owner

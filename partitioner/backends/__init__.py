@@ -1,12 +1,13 @@
-"""Backends lower a rank's graph to something that runs. Each is ``lower(gm, example_inputs) -> callable``."""
+"""Backends lower a rank's graph to something that runs. Each is ``lower(gm, **options) -> callable`` taking the
+graph's inputs positionally."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from . import eager
+from . import eager, inductor
 
-BACKENDS: dict[str, Callable] = {"eager": eager.lower}
+BACKENDS: dict[str, Callable] = {"eager": eager.lower, "inductor": inductor.lower}
 
 
 def get(name: str) -> Callable:

@@ -1,0 +1,98 @@
+"""``torch.compile(model, backend="partitioner", options={"mesh": mesh, ...})``.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so it resolves after a plain
+install without importing this package first. Options: ``mesh`` (required: a DeviceMesh), ``backend`` ("eager" or
+"inductor", default "eager"), ``plan`` (``_tp_plan``-style overrides), ``dump_dir``, ``compile_options`` (for the
+inner backend, e.g. ``{"regional": False}``).
+
+Dynamo hands over each captured graph with the model's parameters and buffers lifted as inputs. The backend
+exports it to aten, runs the partitioner's passes on it, keeps this rank's slices of the parameters and drops
+every reference to the full ones: later calls still pass the full parameters (they belong to the model), and they
+are ignored. Graph breaks: every captured graph is partitioned on its own, and a graph's outputs are always whole
+(replicated) tensors, so each break costs the collectives that make its outputs whole, and Python code between
+graphs sees ordinary tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+from torch.export.graph_signature import InputKind
+
+from ..mesh import as_mesh_spec
+from ..trace import GraphInput, Traced, TraceError
+from . import get as get_backend
+
+_KEY = re.compile(r"\['([^']+)'\]")
+_CONTAINERS = {"_modules", "_parameters", "_buffers"}
+_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options"}
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
+    """Which of dynamo's graph inputs are the model's parameters and buffers (by their source), and their FQNs."""
+    inputs = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None and hasattr(grapharg.source, "name") else ""
+        source = source() if callable(source) else source
+        # L['self'].__dict__['_modules']['rope']._buffers['inv_freq'] -> rope.inv_freq
+        keys = _KEY.findall(source)
+        fqn = ".".join(k for k in keys[1:] if k not in _CONTAINERS) if source.startswith("L[") else ""
+        if isinstance(value, torch.nn.Parameter) and fqn:
+            inputs.append(GraphInput("parameter", fqn))
+        elif "_buffers[" in source and fqn:
+            inputs.append(GraphInput("buffer", fqn))
+        else:
+            inputs.append(GraphInput("user", position))
+    return inputs
+
+
+def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    options = dict(options or {})
+    unknown = set(options) - _OPTIONS
+    if unknown or "mesh" not in options:
+        raise ValueError(f"backend='partitioner' takes options {sorted(_OPTIONS)} with 'mesh' required; "
+                         f"got {sorted(options)}")
+    from ..api import partition_traced
+
+    mesh = as_mesh_spec(options["mesh"])
+    dynamo_inputs = _graph_inputs(gm, example_inputs)
+    try:
+        program = torch.export.export(gm, tuple(example_inputs), strict=False)
+    except Exception as error:
+        raise TraceError(f"torch.export could not trace a graph captured by dynamo: {error}") from error
+    inputs, state, user_index = [], dict(program.state_dict), 0
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            graph_input = dynamo_inputs[user_index]
+            if graph_input.kind != "user":
+                state[graph_input.target] = example_inputs[user_index]
+            inputs.append(graph_input)
+            user_index += 1
+        else:
+            kind = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}.get(spec.kind, "constant")
+            inputs.append(GraphInput(kind, spec.target))
+            state.setdefault(spec.target, program.constants.get(spec.target))
+    graph = program.graph_module
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.graph.erase_node(node)
+    graph.recompile()
+    traced = Traced(graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, {}, state,
+                    inspect.signature(gm.forward))
+    partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
+                                   dump_dir=options.get("dump_dir"))
+    lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module,
+                                                           **options.get("compile_options", {}))
+    # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
+    sources = [(None, partitioned.state[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
+    del example_inputs, state, traced  # keep no reference to the full parameters
+
+    def run(*args):
+        return lowered(*(value if position is None else args[position] for position, value in sources))
+
+    run.partitioned = partitioned
+    return run
