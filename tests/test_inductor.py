@@ -1,0 +1,123 @@
+"""The Inductor backend and the torch.compile entry point, on real gloo ranks.
+
+Tolerance: Inductor fuses and reorders float32 arithmetic (reductions, fused multiply-adds), so compiled and eager
+runs of the same rank graph differ by a few ulps; the same 1e-5 bound as the eager numerics tests holds with a wide
+margin (measured below 1e-6).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+LAYOUTS = {"tp2": ((2,), ("tp",)), "u2": ((2,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses"))}
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _inductor_vs_eager(rank: int, world: int, layout: str) -> dict:
+    import partitioner
+
+    model, inputs = tiny_h3(num_attention_heads=6), h3_inputs(TINY_H3)
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+    partitioned = partitioner.partition(model, _mesh(*LAYOUTS[layout]), ((), inputs))
+    eager = partitioned.compile("eager")(**inputs, return_dict=False)
+    compiled = partitioned.compile("inductor")
+    first = compiled(**inputs, return_dict=False)
+    again = compiled(**inputs, return_dict=False)
+    return dict(expected=expected, eager=eager, inductor=first, again=again)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_inductor_matches_eager_and_single_device(layout):
+    """TP, Ulysses and TP x Ulysses: the Inductor-compiled rank graph (collectives included) gives the eager
+    backend's outputs and the single device's, on every rank; the second call reuses the compiled code."""
+    shape, _ = LAYOUTS[layout]
+    for result in run_ranks(int(torch.tensor(shape).prod()), _inductor_vs_eager, layout):
+        for compiled, eager, expected in zip(result["inductor"], result["eager"], result["expected"]):
+            torch.testing.assert_close(compiled, eager, **TOLERANCE)
+            torch.testing.assert_close(compiled, expected, **TOLERANCE)
+        for first, again in zip(result["inductor"], result["again"]):
+            assert torch.equal(first, again)
+
+
+def _compile_counts(rank: int, world: int) -> dict:
+    import partitioner
+
+    counts = {}
+    for blocks in (2, 6):
+        model = tiny_h3(num_layers=blocks)
+        inputs = h3_inputs(TINY_H3)
+        partitioned = partitioner.partition(model, _mesh((world,), ("tp",)), ((), inputs))
+        compiled = partitioned.compile("inductor")
+        out = compiled(**inputs, return_dict=False)
+        with torch.no_grad():
+            expected = model(**inputs, return_dict=False)
+        counts[blocks] = (vars(compiled.stats), [float((a - b).abs().max()) for a, b in zip(out, expected)])
+    whole = partitioner.partition(tiny_h3(num_layers=2), _mesh((world,), ("tp",)), ((), h3_inputs(TINY_H3)))
+    compiled = whole.compile("inductor", regional=False)
+    compiled(**h3_inputs(TINY_H3))
+    counts["whole"] = vars(compiled.stats)
+    return counts
+
+
+def test_regional_compilation_compiles_a_repeated_block_once():
+    """Compilations do not grow with depth: 2 and 6 blocks take the same number. The first block is compiled on its
+    own (the trace computes cos/sin casts in it that later blocks read), the other blocks share one compilation.
+    Whole-graph compilation stays available and compiles once."""
+    (counts,) = run_ranks(1, _compile_counts)
+    two, six = counts[2][0], counts[6][0]
+    assert two["compilations"] == six["compilations"]
+    assert six["regions"] - two["regions"] == 4
+    assert max(six["reused"].values()) == 5  # blocks 1..5 share one compiled region
+    assert max(counts[6][1]) < 1e-5 and max(counts[2][1]) < 1e-5
+    assert counts["whole"] == {"regions": 1, "compilations": 1, "reused": {}}
+
+
+def _torch_compile(rank: int, world: int) -> dict:
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+    compiled = torch.compile(model, backend="partitioner", options={"mesh": _mesh((world,), ("tp",))})
+    with torch.no_grad():
+        actual = compiled(**inputs, return_dict=False)
+        as_output = compiled(**inputs)
+    return dict(expected=expected, actual=actual, as_output=as_output)
+
+
+def test_torch_compile_backend_matches_single_device():
+    """torch.compile(model, backend="partitioner", options={"mesh": mesh}) at TP=2 equals the single-device model."""
+    for result in run_ranks(2, _torch_compile):
+        for actual, expected in zip(result["actual"], result["expected"]):
+            torch.testing.assert_close(actual, expected, **TOLERANCE)
+        torch.testing.assert_close(result["as_output"].sample, result["expected"][0], **TOLERANCE)
+
+
+def test_entry_point_resolves_in_a_fresh_interpreter():
+    """The backend is found through the torch_dynamo_backends entry point, without importing partitioner."""
+    code = ("import sys, torch\n"
+            "from torch._dynamo.backends.registry import lookup_backend\n"
+            "assert 'partitioner' not in sys.modules\n"
+            "backend = lookup_backend('partitioner')\n"
+            "print(backend.__module__, backend.__name__)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["partitioner.backends.dynamo", "partitioner_backend"]
+
+
+def test_torch_compile_backend_needs_a_mesh():
+    from partitioner.backends.dynamo import partitioner_backend
+
+    with pytest.raises(ValueError, match="'mesh' required"):
+        partitioner_backend(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)], {"backend": "eager"})
