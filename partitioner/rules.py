@@ -323,11 +323,14 @@ def getitem(node: Node, placements, axis_size: int) -> Decision:
     return Decision(out, {source: placement})
 
 
+def _tensor_list_op(node: Node, placements) -> tuple[list[Node], int, dict[Node, object]]:
+    """cat / stack: the tensors, the dim (normalised to the output's rank), the sharded inputs."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return node.args[0], _norm_dim(dim, len(shape_of(node))), _sharded_inputs(node, placements)
+
+
 def cat(node: Node, placements, axis_size: int) -> Decision:
-    tensors = node.args[0]
-    ndim = len(shape_of(node))
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
-    sharded = _sharded_inputs(node, placements)
+    tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
     if any(isinstance(p, PackedShard) for p in sharded.values()):
@@ -346,10 +349,7 @@ def cat(node: Node, placements, axis_size: int) -> Decision:
 
 
 def stack(node: Node, placements, axis_size: int) -> Decision:
-    tensors = node.args[0]
-    ndim = len(shape_of(node))
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
-    sharded = _sharded_inputs(node, placements)
+    tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
     if len(set(sharded.values())) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
