@@ -67,11 +67,20 @@ def _mutated_inputs(program) -> list[str]:
     return mutated
 
 
-def _drop_export_guards(gm: torch.fx.GraphModule) -> None:
-    """Remove export's ``_assert_tensor_metadata`` checks: they pin the trace-time device (meta, cpu), which is not
-    the device a partition runs on, and carry no information the meta values do not."""
+def clean_export_graph(gm: torch.fx.GraphModule) -> None:
+    """Remove what export leaves that describes the trace rather than the model:
+    - ``_assert_tensor_metadata`` checks pin the trace-time device (meta, cpu), not the one a partition runs on;
+    - ``aten.to.dtype`` to the dtype a value already has returns the value itself: the trace keeps such no-op casts
+      and shares them between blocks (H3 casts its rotary tables in every block, the first block's cast is what
+      later blocks read), which would make the first block's code differ from the others'."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+        elif (node.target is torch.ops.aten.to.dtype and len(node.args) == 2 and not node.kwargs
+              and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].dtype == node.args[1]):
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
@@ -127,5 +136,5 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = program.graph_module
-    _drop_export_guards(gm)
+    clean_export_graph(gm)
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature)

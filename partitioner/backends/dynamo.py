@@ -22,7 +22,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..mesh import as_mesh_spec
-from ..trace import GraphInput, Traced, TraceError
+from ..trace import GraphInput, Traced, TraceError, clean_export_graph
 from . import get as get_backend
 
 _KEY = re.compile(r"\['([^']+)'\]")
@@ -77,10 +77,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
             inputs.append(GraphInput(kind, spec.target))
             state.setdefault(spec.target, program.constants.get(spec.target))
     graph = program.graph_module
-    for node in list(graph.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.graph.erase_node(node)
-    graph.recompile()
+    clean_export_graph(graph)
     traced = Traced(graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, {}, state,
                     inspect.signature(gm.forward))
     partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),

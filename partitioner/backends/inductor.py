@@ -4,8 +4,9 @@ Regional compilation (the default): transformers repeat one block many times (H3
 graph costs time in proportion to its depth. The graph is cut at repeated-block boundaries (module paths ending in
 a ModuleList index, ``transformer_blocks.7``); regions whose code is identical up to node names and whose inputs
 have the same shapes are compiled once and the compiled code is reused for the others (their weights are inputs,
-so one compiled block serves every block). The few regions around the blocks are compiled on their own. With
-``regional=False`` the whole graph is one compilation.
+so one compiled block serves every block). The few regions around the blocks (embeddings, scatter, output heads)
+run eagerly, or are compiled too with ``compile_glue=True``. With ``regional=False`` the whole graph is one
+compilation.
 
 Compilation happens at the first call, with that call's tensors as example inputs; later calls reuse it.
 """
@@ -39,9 +40,7 @@ def _block_of(node: Node) -> str | None:
 
 
 def _region_ids(gm: GraphModule) -> dict[Node, int]:
-    """Consecutive runs of nodes of one block (or of no block) form a region. (The trace computes a few values once
-    in the first block and reads them in the others, e.g. ``cos.to(dtype)``: that makes the first block a region
-    of its own structure, one extra compilation whatever the depth.)"""
+    """Consecutive runs of nodes of one block (or of no block) form a region."""
     ids, current, key = {}, -1, object()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -71,15 +70,20 @@ def _structure_key(module: GraphModule, inputs) -> str:
 
 
 class _Interpreter(torch.fx.Interpreter):
-    """Runs the split graph, compiling each region at its first call (identical regions share one compilation)."""
+    """Runs the split graph, compiling each block region at its first call (identical regions share one
+    compilation); with ``compile_glue`` the regions between blocks are compiled too, else they run eagerly."""
 
-    def __init__(self, split: GraphModule, stats: CompileStats):
+    def __init__(self, split: GraphModule, stats: CompileStats, blocks: set[str], compile_glue: bool):
         super().__init__(split)
         self.stats = stats
         self.by_key: dict[str, object] = {}
         self.compiled: dict[str, object] = {}
+        self.eager = set() if compile_glue else {n.target for n in split.graph.nodes
+                                                  if n.op == "call_module" and n.target not in blocks}
 
     def call_module(self, target, args, kwargs):
+        if target in self.eager:
+            return super().call_module(target, args, kwargs)
         if target not in self.compiled:
             from torch._inductor.compile_fx import compile_fx
 
@@ -93,7 +97,7 @@ class _Interpreter(torch.fx.Interpreter):
         return self.compiled[target](*args)
 
 
-def lower(gm: GraphModule, *, regional: bool = True):
+def lower(gm: GraphModule, *, regional: bool = True, compile_glue: bool = False):
     """A callable running ``gm`` compiled by Inductor; ``.stats`` says how many compilations it took."""
     stats = CompileStats()
     if not regional:
@@ -113,7 +117,8 @@ def lower(gm: GraphModule, *, regional: bool = True):
     ids = _region_ids(gm)
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     stats.regions = sum(1 for n in split.graph.nodes if n.op == "call_module")
-    interpreter = _Interpreter(split, stats)
+    blocks = {f"submod_{ids[node]}" for node in ids if _block_of(node) is not None}
+    interpreter = _Interpreter(split, stats, blocks, compile_glue)
 
     def run_regions(*args):
         return interpreter.run(*args)
