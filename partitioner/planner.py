@@ -72,8 +72,9 @@ class LayoutEstimate:
 
 
 def parse_bytes(text: str) -> int:
+    """'24GiB', '24G' (binary, as memory is sold), '1.5GB' (decimal), '512' (bytes)."""
     units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "TB": 10**12}
+             "GB": 10**9, "TB": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     number = text.strip().upper().rstrip()
     for unit in sorted(units, key=len, reverse=True):
         if unit and number.endswith(unit):

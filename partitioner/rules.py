@@ -67,10 +67,6 @@ def shape_of(node) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def tensor_inputs(node: Node) -> list[Node]:
-    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-
-
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -167,6 +163,15 @@ def _view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
+def _heads_do_not_split(node: Node, axis_size: int) -> None:
+    """A head reshape or projection (annotated by annotate_heads) that does not split evenly is a user error:
+    tensor parallelism needs whole heads on every rank."""
+    heads = node.meta.get("heads")
+    if heads is not None:
+        raise PartitionError(f"{heads.module}: {heads.heads} attention heads cannot be split evenly over a tp "
+                             f"degree of {axis_size}; use a degree that divides {heads.heads}")
+
+
 def _view_shard_dim(in_shape, out_shape, dim: int, axis_size: int) -> int:
     """The output dim a view carries input dim ``dim``'s sharding to, or Unshardable."""
     for gi, gj in _view_groups(in_shape, out_shape):
@@ -174,9 +179,15 @@ def _view_shard_dim(in_shape, out_shape, dim: int, axis_size: int) -> int:
             continue
         lead_in = next(d for d in gi if in_shape[d] != 1) if any(in_shape[d] != 1 for d in gi) else gi[0]
         lead_out = next((d for d in gj if out_shape[d] != 1), gj[0] if gj else None)
-        if dim != lead_in or lead_out is None or out_shape[lead_out] % axis_size:
+        if dim != lead_in or lead_out is None:
             raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} mixes the sharded dim {dim} "
                               "with another dim")
+        # a dim passed through unchanged may split unevenly; one merged or split with others must split evenly
+        passthrough = [d for d in gi if in_shape[d] != 1] == [dim] and in_shape[dim] == out_shape[lead_out] \
+            and [d for d in gj if out_shape[d] != 1] == [lead_out]
+        if not passthrough and (in_shape[dim] % axis_size or out_shape[lead_out] % axis_size):
+            raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} regroups the sharded dim {dim}, "
+                              f"whose size does not split evenly over {axis_size}")
         return lead_out
     raise Unshardable(f"dim {dim} not found in view {list(in_shape)} -> {list(out_shape)}")
 
@@ -198,12 +209,8 @@ def view(node: Node, placements, axis_size: int) -> Decision:
             out_dim = placement.dim + count - 1
         else:
             out_dim = dim
-            heads = node.meta.get("heads")
             if out_shape[dim] % axis_size:
-                if heads is not None:
-                    raise PartitionError(
-                        f"{heads.module}: {heads.heads} attention heads cannot be split evenly over a tp degree of "
-                        f"{axis_size}; use a degree that divides {heads.heads}")
+                _heads_do_not_split(node, axis_size)
                 raise Unshardable(f"unflatten to {list(out_shape)} does not split over {axis_size} ranks")
     elif node.target is aten.flatten.using_ints:
         start, end = (_norm_dim(d, len(in_shape)) for d in (list(node.args[1:3]) + [0, -1][len(node.args) - 1:]))
@@ -211,7 +218,7 @@ def view(node: Node, placements, axis_size: int) -> Decision:
             out_dim = placement.dim
         elif placement.dim > end:
             out_dim = placement.dim - (end - start)
-        elif placement.dim == start:
+        elif placement.dim == start and (end == start or in_shape[start] % axis_size == 0):
             out_dim = start
         else:
             raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {placement.dim}")
@@ -422,11 +429,7 @@ def make_linear_rule(roles: LinearRoles) -> Callable:
         if node in roles.colwise:
             out_features = shape_of(weight)[0]
             if out_features % axis_size:
-                heads = node.meta.get("heads")
-                if heads is not None:
-                    raise PartitionError(
-                        f"{heads.module}: {heads.heads} attention heads cannot be split evenly over a tp degree of "
-                        f"{axis_size}; use a degree that divides {heads.heads}")
+                _heads_do_not_split(node, axis_size)
                 raise Unshardable(f"{out_features} output features do not split over {axis_size} ranks")
             blocks = roles.packed.get(node)
             placement = PackedShard(0, blocks) if blocks else Shard(0)
@@ -548,9 +551,10 @@ RULES: dict[object, Callable] = {
     aten.new_ones.default: creation_from,
     aten.new_empty.default: creation_from,
     aten.new_full.default: creation_from,
-    aten.zeros_like.default: creation_from,
-    aten.ones_like.default: creation_from,
-    aten.empty_like.default: creation_from,
+    aten.zeros_like.default: unary,
+    aten.ones_like.default: unary,
+    aten.empty_like.default: unary,
+    aten.full_like.default: unary,
     aten.index_copy.default: index_copy,
     aten.to.dtype: unary,
     aten.to.dtype_layout: unary,

@@ -50,14 +50,23 @@ class CompiledPartition:
         if spec != self.traced.in_spec:
             self._raise_structure_mismatch(named)
         for index, value in self.traced.constant_args.items():
-            if flat[index] is not value and flat[index] != value:
-                raise InputError(f"{self.owner}: argument {names[index]}={flat[index]!r} differs from the traced "
+            given = flat[index]
+            if type(given) is not type(value) or given != value:
+                raise InputError(f"{self.owner}: argument {names[index]}={given!r} differs from the traced "
                                  f"{value!r}; partition again with it in example_inputs")
+        device = self.state[0].device if self.state else None
         for index, expected in zip(self.user_index, self.user_vals):
             value = flat[index]
-            if isinstance(expected, torch.Tensor) and tuple(value.shape) != tuple(expected.shape):
-                raise InputError(f"{self.owner}: {names[index]} has shape {list(value.shape)}, traced with "
-                                 f"{list(expected.shape)}; this partition is static-shaped, partition again")
+            if not isinstance(expected, torch.Tensor):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise InputError(f"{self.owner}: {names[index]} must be a tensor (traced with one of shape "
+                                 f"{list(expected.shape)}), got {type(value).__name__}")
+            if tuple(value.shape) != tuple(expected.shape) or value.dtype != expected.dtype:
+                raise InputError(f"{self.owner}: {names[index]} is {_tensor(value)}, traced with {_tensor(expected)}; "
+                                 "this partition is static-shaped, partition again")
+            if device is not None and value.device != device:
+                raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on {device}")
         return [flat[i] for i in self.user_index], return_dict
 
     def _raise_structure_mismatch(self, named: dict) -> None:
@@ -81,3 +90,7 @@ class CompiledPartition:
 def _describe(value) -> str:
     """A pytree's shape in a line: containers kept, leaves as *."""
     return str(pytree.tree_unflatten(["*"] * pytree.tree_structure(value).num_leaves, pytree.tree_structure(value)))
+
+
+def _tensor(value: torch.Tensor) -> str:
+    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"

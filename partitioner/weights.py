@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .mesh import MeshSpec
-from .placement import local_shape, slice_local
+from .placement import slice_local
 
 
 def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tensor:
@@ -20,7 +20,3 @@ def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tens
 def shard_state(state: dict[str, torch.Tensor], names, slice_specs: dict[str, dict], mesh: MeshSpec):
     """Local tensors for the graph's parameter/buffer/constant inputs ``names`` (FQNs)."""
     return {name: shard_tensor(state[name], slice_specs.get(name, {}), mesh) for name in names}
-
-
-def local_numel(shape, spec: dict, mesh: MeshSpec) -> int:
-    return torch.Size(local_shape(shape, spec, mesh)).numel()

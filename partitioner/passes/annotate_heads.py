@@ -62,25 +62,29 @@ def _attention_module(attention: Node, q_proj: Node | None, out_proj: Node | Non
     return ".".join(common) or _module_path(attention)
 
 
-def _is_head_split(node: Node, heads: int, head_dim: int) -> bool:
-    out, src = shape_of(node), shape_of(node.args[0]) if node.args else None
+def _is_head_split(node: Node, head_dim: int) -> bool:
+    """A reshape of (..., heads * head_dim) into (..., heads, head_dim)."""
+    out = shape_of(node)
+    src = shape_of(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
     return (node.target in _RESHAPES and out is not None and src is not None and len(out) >= 2
-            and tuple(out[-2:]) == (heads, head_dim) and src[-1] == heads * head_dim)
+            and out[-1] == head_dim and src[-1] == out[-2] * head_dim)
 
 
-def _find_head_split(value: Node, heads: int, head_dim: int) -> Node | None:
-    """Walk back from an attention operand through head-local ops to the reshape that split it into heads."""
-    seen, stack = set(), [value]
+def _find_head_splits(value: Node, head_dim: int) -> list[Node]:
+    """Walk back from an attention operand through head-local ops to the reshapes that split it into heads (several
+    where streams are joined, as in Flux's joint attention), in graph order."""
+    seen, stack, found = set(), [value], []
     while stack:
         node = stack.pop()
         if node in seen or not isinstance(node, Node):
             continue
         seen.add(node)
-        if _is_head_split(node, heads, head_dim):
-            return node
-        if node.target in _HEAD_LOCAL or node.target is operator.getitem:
+        if _is_head_split(node, head_dim):
+            found.append(node)
+        elif node.target in _HEAD_LOCAL or node.target is operator.getitem:
             stack.extend(node.all_input_nodes)
-    return None
+    order = {n: i for i, n in enumerate(value.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
 
 
 def _producer_linear(node: Node) -> Node | None:
@@ -123,17 +127,15 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for attention in [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]:
         q_shape = shape_of(attention.args[0])
         heads, head_dim = q_shape[-3], q_shape[-1]
-        splits = {role: _find_head_split(value, shape_of(value)[-3], shape_of(value)[-1])
+        splits = {role: _find_head_splits(value, head_dim)
                   for role, value in zip("qkv", attention.args[:3])}
         merge, out_proj = _find_head_merge(attention, heads, head_dim)
-        q_proj = _producer_linear(splits["q"].args[0]) if splits["q"] is not None else None
+        q_proj = _producer_linear(splits["q"][0].args[0]) if splits["q"] else None
         module = _attention_module(attention, q_proj, out_proj)
         info = HeadInfo(attention.name, module, heads, head_dim, "attention")
         attention.meta["heads"] = info
         ctx.attention.append(info)
-        for role, split in splits.items():
-            if split is None:
-                continue
+        for role, split in ((role, split) for role, found in splits.items() for split in found):
             split_heads = shape_of(split)[-2]
             split.meta["heads"] = replace(info, heads=split_heads, role=role)
             _head_dim_based(split, split_heads, head_dim)

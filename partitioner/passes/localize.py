@@ -41,18 +41,29 @@ def _expected_local(node: Node, mesh):
     return tuple(tuple(local_shape(s, p, mesh)) if s is not None else None for s, p in zip(shape, per_output))
 
 
+def _split_dim(node: Node) -> int:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim % len(node.args[0].meta["global_shape"])
+
+
 def _localize_sizes(node: Node, mesh) -> None:
     placements = node.meta["placements"]
+    if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        # pieces of a packed shard are this rank's parts of each block: name their local sizes
+        dim = _split_dim(node)
+        node.target = aten.split_with_sizes.default
+        node.args = (node.args[0], [shape[dim] for shape in _expected_local(node, mesh)], dim)
+        node.kwargs = {}
+        return
     if not any(is_sharded(p) for p in placements.values()):
         return
     if node.target in _SIZED_VIEWS:
         node.args = (node.args[0], _expected_local(node, mesh))
-    elif node.target is aten.unflatten.int:
+    elif node.target is aten.unflatten.int:  # named sizes become local, an inferred (-1) one stays inferred
         dim, split = node.args[1], list(node.args[2])
-        if -1 not in split:  # no inferred size: name the local one
-            out_dim = dim % len(node.meta["global_shape"]) if dim < 0 else dim
-            split[0] = _expected_local(node, mesh)[out_dim]
-        node.args = (node.args[0], dim, split)
+        dim = dim % len(node.args[0].meta["global_shape"])
+        local = _expected_local(node, mesh)[dim:dim + len(split)]
+        node.args = (node.args[0], node.args[1], [-1 if s == -1 else size for s, size in zip(split, local)])
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])

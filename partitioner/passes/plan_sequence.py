@@ -99,7 +99,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
-    feeds_attention = _ancestors(attentions)
+    feeds_attention = _ancestors(attentions) | set(attentions)
     if ctx.mesh.size(AXIS) > 1:
         seeds = _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention)
     while True:
