@@ -416,3 +416,27 @@ def test_slice_local_matches_chunk_per_block(num, data):
     assert torch.equal(torch.cat([tensor.narrow(dim, a, b - a) for a, b in ranges], dim), expected)
     if len(blocks) == 1:
         assert torch.equal(slice_local(tensor, PackedShard(dim, blocks), num, index), expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 4), min_size=1, max_size=4),
+       st.integers(2, 3), st.data())
+def test_view_shard_dim_against_brute_force(a, b, degree, data):
+    """Whenever a view carries a sharded dim (even or uneven) to an output dim, every rank's elements are exactly
+    its slice of that output dim: checked element by element on an arange."""
+    from partitioner.placement import shard_range
+    from partitioner.rules import Unshardable, _view_shard_dim
+
+    in_shape, out_shape = a + [math.prod(b)], b + [math.prod(a)]
+    dim = data.draw(st.integers(0, len(in_shape) - 1))
+    try:
+        out_dim = _view_shard_dim(in_shape, out_shape, dim, degree)
+    except Unshardable:
+        return
+    values = torch.arange(math.prod(in_shape)).reshape(in_shape)
+    viewed = values.reshape(out_shape)
+    for rank in range(degree):
+        start, end = shard_range(in_shape[dim], degree, rank)
+        held = values.narrow(dim, start, end - start)
+        start, end = shard_range(out_shape[out_dim], degree, rank)
+        assert torch.equal(held.reshape(-1).sort().values, viewed.narrow(out_dim, start, end - start).reshape(-1).sort().values)
