@@ -32,7 +32,7 @@ def _gib(n: float) -> str:
 
 def _table(estimates: list[planner.LayoutEstimate]) -> str:
     lines = [f"{'tp':>3} {'ulysses':>7} {'replicas':>8} {'params':>11} {'activations':>11} {'total':>11} "
-             f"{'fits':>5} {'comm/step':>11} {'compute ms':>10} {'comm ms':>8} {'step ms':>8}"]
+             f"{'fits':>5} {'comm/step':>11} {'compute ms':>10} {'comm ms':>8} {'step ms':>8} {'req/s':>6}"]
     for e in estimates:
         if e.error:
             lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8}  impossible: {e.error}")
@@ -41,7 +41,7 @@ def _table(estimates: list[planner.LayoutEstimate]) -> str:
         lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8} {_gib(sum(e.parameter_bytes.values())):>11} "
                      f"{_gib(e.activation_bytes):>11} {_gib(e.memory_bytes):>11} {fits:>5} "
                      f"{_gib(sum(e.collective_bytes.values())):>11} {e.compute_s * 1e3:>10.1f} "
-                     f"{e.comm_s * 1e3:>8.1f} {e.step_s * 1e3:>8.1f}")
+                     f"{e.comm_s * 1e3:>8.1f} {e.step_s * 1e3:>8.1f} {e.requests_per_s:>6.2f}")
     return "\n".join(lines)
 
 

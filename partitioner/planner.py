@@ -63,12 +63,17 @@ class LayoutEstimate:
         return self.compute_s + self.comm_s
 
     @property
+    def requests_per_s(self) -> float:
+        """Throughput of all replicas together (the search ranks by step time, i.e. latency)."""
+        return self.replicas / self.step_s if self.step_s else 0.0
+
+    @property
     def fits(self) -> bool | None:
         return None if self.device_memory is None else self.memory_bytes <= self.device_memory
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s,
-                "fits": self.fits}
+                "requests_per_s": self.requests_per_s, "fits": self.fits}
 
 
 def parse_bytes(text: str) -> int:
