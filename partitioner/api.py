@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from . import backends
+from .checkpoint import CheckpointError, load_shards
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PIPELINE
 from .report import Report, build_report
-from .checkpoint import CheckpointError, load_shards
 from .runtime import CompiledPartition, place_graph_on
 from .trace import Traced, trace
 from .weights import shard_state
@@ -47,7 +47,8 @@ class Partitioned:
         on_meta = [name for name in computed if self.state[name].is_meta]
         if on_meta:
             raise CheckpointError(f"non-persistent buffers {on_meta} are on the meta device and no checkpoint holds "
-                                  "them; build the model under accelerate.init_empty_weights() so buffers stay real")
+                                  "them (partition computes them only for diffusers models); set them first: "
+                                  "partitioned.state[name] = tensor")
         shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
         device = torch.device(device) if device is not None else self.mesh.device
         shards.update({name: self.state[name] for name in computed})
