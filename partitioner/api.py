@@ -27,7 +27,7 @@ class Partitioned:
         self.traced = traced
         self.ctx = ctx
         self.graph_module = traced.graph_module
-        tensor_names = [gi.target for gi in ctx.inputs if gi.kind != "user"]
+        tensor_names = [gi.target for gi in ctx.inputs if gi.is_model_tensor]
         self.state = shard_state(traced.state, tensor_names, ctx.slice_specs, ctx.mesh)
         traced.state = {}  # the full tensors are the model's; keep only this rank's shards
 
@@ -38,7 +38,7 @@ class Partitioned:
         Nothing is replaced unless every tensor was found and read."""
         expected, computed = {}, []
         for node, graph_input in self.ctx.placeholder_inputs(self.graph_module).items():
-            if graph_input.kind == "user":
+            if not graph_input.is_model_tensor:
                 continue
             if graph_input.persistent:
                 expected[graph_input.target] = (node.meta["global_shape"], node.meta["val"].dtype)
@@ -90,14 +90,14 @@ class Partitioned:
         if meta:
             raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
                                "needs real weights to run")
-        tensor_inputs = [gi.target for gi in self.ctx.inputs if gi.kind != "user"]
+        tensor_inputs = [gi.target for gi in self.ctx.inputs if gi.is_model_tensor]
         devices = {t.device for t in self.state.values()}
         if len(devices) > 1:
             raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
         lowered = backends.get(backend)(self.graph_module, **options)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
-                                 self.model_name)
+                                 self.model_name, self.ctx.host)
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -118,29 +118,30 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
-              dump_dir: str | Path | None = None, rank: int = 0) -> Partitioned:
+              dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
     without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
     ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``. ``dump_dir`` (or
-    ``$PARTITIONER_DUMP``): write the graph after every pass.
+    ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
+    for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``).
     """
     spec = as_mesh_spec(mesh, rank)
     traced = trace(model, example_inputs)
     _compute_meta_buffers(model, traced)
-    return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir)
+    return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-                     dump_dir: str | Path | None = None) -> Partitioned:
+                     dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes)."""
-    ctx = PassContext(mesh, traced.inputs, dict(plan or {}))
+    ctx = PassContext(mesh, list(traced.inputs), dict(plan or {}), dict(bounds or {}), dict(traced.size_bounds))
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
     for name, run_pass in PIPELINE:
         gm = run_pass(gm, ctx)
-        dump(name, gm, ctx)
-    traced.graph_module = gm
+        dump(name, gm, ctx, {"prologue": ctx.host.prologue} if name == "hoist_host" and ctx.host else None)
+    traced.graph_module, traced.inputs = gm, ctx.inputs
     return Partitioned(model_name, traced, ctx)

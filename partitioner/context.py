@@ -15,6 +15,8 @@ class PassContext:
     mesh: MeshSpec
     inputs: list[GraphInput]  # what each placeholder of the graph is, in placeholder order
     plan: dict[str, str] = field(default_factory=dict)  # user overrides, diffusers `_tp_plan` key syntax
+    bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
+    size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
     # Filled by the passes:
     linear_styles: dict[str, str] = field(default_factory=dict)  # module path -> colwise / rowwise / replicate
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
@@ -22,6 +24,7 @@ class PassContext:
     attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
     sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
+    host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
 
     def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -4,6 +4,7 @@ Files, numbered in pass order (``00_export`` is the traced graph):
     NN_<pass>.py        the graph's code; each line ends with ``# tp=S(2)``-style placements where planned
     NN_<pass>.txt       node count, collectives by kind, per-rank parameter bytes
     NN_<pass>.diff      unified diff of the code against the previous pass
+    NN_hoist_host.prologue.py   the host (CPU) prologue, when the model has data-dependent ops
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ class Dumper:
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def __call__(self, name: str, gm: GraphModule, ctx: PassContext) -> None:
+    def __call__(self, name: str, gm: GraphModule, ctx: PassContext, extra: dict | None = None) -> None:
+        """``extra``: further graphs of this pass (the host prologue), written as ``NN_<pass>.<key>.py``."""
         if self.directory is None:
             return
         stem = self.directory / f"{self.index:02d}_{name}"
+        for key, graph in (extra or {}).items():
+            (self.directory / f"{stem.name}.{key}.py").write_text(graph_code(graph))
         code = graph_code(gm)
         stem.with_suffix(".py").write_text(code)
         stem.with_suffix(".txt").write_text(summary(gm, ctx))

@@ -83,8 +83,10 @@ def _is_view(node) -> bool:
 
 
 def _nbytes(val) -> int:
+    """Bytes of a value; 0 for a data-dependent size (only before hoist_host makes shapes static)."""
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        numel = val.numel()
+        return numel * val.element_size() if isinstance(numel, int) else 0
     if isinstance(val, (tuple, list)):
         return sum(map(_nbytes, val))
     return 0
@@ -94,7 +96,7 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
     """Peak bytes of live intermediate values when the graph runs in order and frees each value after its last
     use. Views allocate nothing; model tensors are counted as parameters, not here. Allocator caching, kernel
     workspaces and fusion are not modelled: an estimate for comparing layouts, not a promise."""
-    model_tensors = {n for n, gi in ctx.placeholder_inputs(gm).items() if gi.kind != "user"}
+    model_tensors = {n for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     last_use = {}
     for index, node in enumerate(gm.graph.nodes):
         for source in node.all_input_nodes:
@@ -125,7 +127,7 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
     parameters, replicated, buffers = 0, 0, 0
     by_dtype: dict[str, int] = defaultdict(int)
     for node, graph_input in ctx.placeholder_inputs(gm).items():
-        if graph_input.kind == "user" or not isinstance(node.meta.get("val"), torch.Tensor):
+        if not graph_input.is_model_tensor or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         numel = _local_numel(node, ctx.mesh)
         size = numel * node.meta["val"].element_size()

@@ -367,6 +367,23 @@ def stack(node: Node, placements, axis_size: int) -> Decision:
 
 # --- ops with structure -----------------------------------------------------------------------------------------
 
+def reduction(node: Node, placements, axis_size: int) -> Decision:
+    """sum / mean / amax / amin over some dims: fine unless the sharded dim is one of them."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = _same_as_input(node, placements, source)
+    if not is_sharded(placement):
+        return decision
+    ndim = len(shape_of(source))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = list(range(ndim)) if dims is None else [_norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if placement.dim in dims:
+        raise Unshardable(f"{node.target.__name__} reduces over the sharded dim {placement.dim}")
+    shift = 0 if keepdim else sum(d < placement.dim for d in dims)
+    return Decision(_with_dim(placement, placement.dim - shift), decision.inputs)
+
+
 def norm(node: Node, placements, axis_size: int) -> Decision:
     """rms_norm / layer_norm: fine unless the sharded dim is one of the normalised (last) dims."""
     source = node.args[0]
@@ -544,6 +561,10 @@ RULES: dict[object, Callable] = {
     aten.cat.default: cat,
     aten.stack.default: stack,
     aten.rms_norm.default: norm,
+    aten.sum.dim_IntList: reduction,
+    aten.mean.dim: reduction,
+    aten.amax.default: reduction,
+    aten.amin.default: reduction,
     aten.layer_norm.default: norm,
     aten.scaled_dot_product_attention.default: attention,
     aten.type_as.default: type_as,

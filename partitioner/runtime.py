@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 
@@ -29,8 +30,9 @@ class CompiledPartition:
     """``compiled(*args, **kwargs)`` flattens the forward arguments as at trace time, adds this rank's weight
     shards, runs the lowered graph and rebuilds the forward's output (tuple or output dataclass)."""
 
-    def __init__(self, lowered: Callable, traced: Traced, state: list[torch.Tensor], owner: str):
+    def __init__(self, lowered: Callable, traced: Traced, state: list[torch.Tensor], owner: str, host=None):
         self.lowered = lowered
+        self.host = host  # HostProgram: data-dependent ops run on the CPU before the device graph
         self.stats = getattr(lowered, "stats", None)  # compilation counts, for backends that compile
         self.traced = traced
         self.state = state  # this rank's tensors, in placeholder order
@@ -39,7 +41,8 @@ class CompiledPartition:
         placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
 
-    def flatten(self, args, kwargs) -> tuple[list, bool | None]:
+    def flatten(self, args, kwargs) -> tuple[list, list, bool | None]:
+        """All flattened forward arguments, those the device graph takes, and the call's return_dict."""
         named = bind_forward(self.traced.signature, args, kwargs, self.owner, InputError)
         return_dict = named.get("return_dict")
         if "return_dict" in named:
@@ -67,7 +70,7 @@ class CompiledPartition:
                                  "this partition is static-shaped, partition again")
             if device is not None and value.device != device:
                 raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on {device}")
-        return [flat[i] for i in self.user_index], return_dict
+        return flat, [flat[i] for i in self.user_index], return_dict
 
     def _raise_structure_mismatch(self, named: dict) -> None:
         traced = pytree.tree_unflatten([object()] * self.traced.in_spec.num_leaves, self.traced.in_spec)[1]
@@ -78,9 +81,30 @@ class CompiledPartition:
                                  f"{_describe(traced[name])}; partition again with it in example_inputs")
         raise InputError(f"{self.owner}: the arguments' structure differs from the traced one")
 
+    def run_host(self, flat: list) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """Run the prologue on the CPU and pad its results to the bounds the device graph was built for; also
+        return this call's data-dependent sizes."""
+        device = self.state[0].device if self.state else torch.device("cpu")
+        outputs = self.host.prologue(*(flat[i].cpu() for i in self.host.inputs))
+        padded = []
+        for value, transfer in zip(outputs, self.host.transfers):
+            for dim, expression in transfer.sizes.items():
+                if value.shape[dim] > transfer.shape[dim]:
+                    raise InputError(
+                        f"{self.owner}: {transfer.name} has {value.shape[dim]} entries along dim {dim} "
+                        f"({expression}), more than the bound {transfer.shape[dim]} the partition was built for; raise "
+                        f"it with torch._check({expression} <= k) in the model or partition(..., bounds=...)")
+            full = value.new_zeros(transfer.shape)
+            full[tuple(slice(0, size) for size in value.shape)] = value
+            padded.append(full.to(device))
+        return padded, self.host.sizes(outputs)
+
     def __call__(self, *args, **kwargs):
-        user, return_dict = self.flatten(args, kwargs)
-        out = self.lowered(*self.state, *user)
+        flat, user, return_dict = self.flatten(args, kwargs)
+        hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
+        out = list(self.lowered(*self.state, *user, *hosted))
+        for index, dim, expression in self.host.trims if self.host is not None else ():
+            out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
         if return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()

@@ -117,3 +117,40 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int):
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+
+
+class H3DenoiseStep(torch.nn.Module):
+    """One denoising step as MiniMax-H3's pipeline runs it: build the row timestep plan exactly as diffusers'
+    ``build_row_timesteps`` does (one timestep per row, reduced with ``torch.unique(sorted=True,
+    return_inverse=True)``), then call the transformer. ``step_timesteps`` holds this step's video, audio,
+    video-conditioning and audio-reference timesteps, so one trace serves every step."""
+
+    def __init__(self, transformer, num_condition_video_rows: int = 4, num_condition_audio_rows: int = 2,
+                 check_bound: bool = True):
+        super().__init__()
+        self.transformer = transformer
+        self.num_condition_video_rows, self.num_condition_audio_rows = num_condition_video_rows, num_condition_audio_rows
+        self.check_bound = check_bound
+
+    def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, token_tags, position_ids,
+                video_indices, audio_indices, text_indices, step_timesteps):
+        video, audio, condition_video, condition_audio = step_timesteps.unbind()
+        row_timesteps = video.expand(token_tags.shape[0]).clone()
+        row_timesteps[video_indices[: self.num_condition_video_rows]] = condition_video
+        row_timesteps[audio_indices[self.num_condition_audio_rows:]] = audio
+        row_timesteps[audio_indices[: self.num_condition_audio_rows]] = condition_audio
+        timestep, timestep_indices = torch.unique(row_timesteps, sorted=True, return_inverse=True)
+        if self.check_bound:
+            torch._check(timestep.shape[0] <= 4)  # four timesteps per step at most
+        return self.transformer(
+            hidden_states=hidden_states, audio_hidden_states=audio_hidden_states,
+            encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
+            token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
+            audio_indices=audio_indices, text_indices=text_indices, return_dict=False)
+
+
+def denoise_inputs(config: dict, step_timesteps) -> dict:
+    """``h3_inputs`` for ``H3DenoiseStep``: the layout, and this step's four timesteps instead of the plan."""
+    inputs = h3_inputs(config)
+    del inputs["timestep"], inputs["timestep_indices"]
+    return dict(inputs, step_timesteps=torch.tensor(step_timesteps, dtype=torch.float32))

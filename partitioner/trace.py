@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._sympy.numbers import int_oo
 
 
 class TraceError(RuntimeError):
@@ -22,11 +23,16 @@ class TraceError(RuntimeError):
 
 @dataclass(frozen=True)
 class GraphInput:
-    """One placeholder: a model tensor (``kind`` parameter / buffer / constant, ``target`` its FQN) or a user input
-    (``kind`` user, ``target`` its index among the flattened forward arguments)."""
+    """One placeholder: a model tensor (``kind`` parameter / buffer / constant, ``target`` its FQN), a user input
+    (``kind`` user, ``target`` its index among the flattened forward arguments), or a value computed by the host
+    prologue (``kind`` host, ``target`` its index among the prologue's outputs)."""
     kind: str
     target: str | int
     persistent: bool = True  # False for non-persistent buffers and constants: not in a checkpoint
+
+    @property
+    def is_model_tensor(self) -> bool:
+        return self.kind in ("parameter", "buffer", "constant")
 
 
 @dataclass
@@ -39,6 +45,8 @@ class Traced:
     constant_args: dict[int, Any]
     state: dict[str, torch.Tensor] = field(repr=False)
     signature: inspect.Signature = field(repr=False)
+    # Upper bounds of data-dependent sizes (from torch._check in the traced code): symbol name -> bound
+    size_bounds: dict[str, int] = field(default_factory=dict)
 
 
 def bind_forward(signature: inspect.Signature, args, kwargs, owner: str, error=None) -> dict[str, Any]:
@@ -84,6 +92,24 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _inline_constant_arguments(gm: torch.fx.GraphModule, inputs: list[GraphInput], constants: dict) -> list:
+    """Non-tensor arguments (``return_dict=True``, ``attention_kwargs=None``) were specialised by export; their
+    placeholders become the constants themselves, so the graph takes tensors only (compilers want that) and the
+    runtime checks each call's constants against the traced ones."""
+    kept = []
+    for node, graph_input in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
+        if graph_input.kind == "user" and graph_input.target in constants:
+            value = constants[graph_input.target]
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
+            gm.graph.erase_node(node)
+        else:
+            kept.append(graph_input)
+    gm.recompile()
+    return kept
 
 
 def trace(model: torch.nn.Module, example_inputs) -> Traced:
@@ -137,4 +163,7 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = program.graph_module
     clean_export_graph(gm)
-    return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature)
+    inputs = _inline_constant_arguments(gm, inputs, constant_args)
+    bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
+              if limits.upper != int_oo}
+    return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds)

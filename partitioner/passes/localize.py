@@ -75,7 +75,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta["global_shape"] = _shape(node.meta.get("val"))
     for node, graph_input in ctx.placeholder_inputs(gm).items():
         sharded = {axis: p for axis, p in node.meta["placements"].items() if is_sharded(p)}
-        if sharded and graph_input.kind != "user":
+        if sharded and graph_input.is_model_tensor:
             ctx.slice_specs[graph_input.target] = sharded
     for node in gm.graph.nodes:
         if node.op == "call_function":

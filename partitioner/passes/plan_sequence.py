@@ -52,7 +52,7 @@ def _ancestors(nodes: list[Node]) -> set[Node]:
 
 def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], feeds_attention: set[Node]) -> dict:
     """Values offered sharded along their sequence dim: node -> dim."""
-    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.kind != "user"}
+    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     candidates = {}
     for node in feeds_attention - model_tensors:
         shape = shape_of(node)

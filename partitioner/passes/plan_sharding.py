@@ -120,7 +120,7 @@ def _cheap_rowwise(linear: Node, degree: int) -> bool:
 def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements) -> None:
     """Parameters and buffers take the placement their consumers need, so they are sliced at load time."""
     for node, graph_input in ctx.placeholder_inputs(gm).items():
-        if graph_input.kind == "user":
+        if not graph_input.is_model_tensor:
             continue
         wanted = {repr(decisions[user].inputs.get(node, R)): decisions[user].inputs.get(node, R)
                   for user in node.users}
@@ -139,7 +139,7 @@ def _style(linear: Node, decision: Decision, roles: LinearRoles) -> str:
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     degree = ctx.mesh.size(AXIS)
-    fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.kind != "user"}
+    fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
     paths = {linear: _linear_path(linear, fqns) for linear in linears}
     forced = _match_overrides(paths, ctx.plan)

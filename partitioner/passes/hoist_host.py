@@ -1,0 +1,264 @@
+"""hoist_host: move data-dependent ops into a CPU prologue and give the device graph static shapes.
+
+Requires: an exported graph (``meta["val"]`` on every node; data-dependent sizes are unbacked symbols, ``u0``).
+Guarantees:
+- every op whose output size depends on tensor contents (``torch.unique``, ``nonzero``, ``masked_select``,
+  ``.item()``, ``repeat_interleave`` with tensor repeats: whatever export gives an unbacked size), with the values
+  only it consumes and the checks on its sizes, runs in ``ctx.host.prologue``, a graph executed on the CPU;
+- its results reach the device graph as placeholders of kind "host" (explicit transfers), padded along each
+  data-dependent dim to that size's upper bound; the padding is zeros and, for ``unique``'s distinct values, no
+  per-row index points at it, so results do not change;
+- the device graph carries no unbacked symbol: its values are re-propagated with the bounded, static shapes.
+Bounds come from ``torch._check(n <= k)`` in the traced code (export records them) or from the ``bounds`` option
+of ``partition``, keyed by the data-dependent op's node name (the error for a missing bound names it).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..context import PassContext
+from ..placement import PackedShard, Replicate, Shard, any_sharded
+from ..rules import PartitionError, Unshardable, rule_for
+from ..trace import GraphInput
+
+# Trace-time checks on sizes: true by construction once shapes are static and bounded.
+_SIZE_CHECKS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+                torch.ops.aten.sym_constrain_range.default}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A prologue output the device graph reads, padded along ``dims`` (dim -> symbolic size) to ``shape``."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sizes: dict[int, str]  # dim -> its data-dependent size expression, e.g. {0: "u0"}
+
+
+@dataclass
+class HostProgram:
+    prologue: GraphModule  # takes the forward's flattened arguments listed in ``inputs``, returns the transfers
+    inputs: list[int]  # indices into the flattened forward arguments
+    transfers: list[Transfer]
+    hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs on the host
+    # graph outputs whose size is data-dependent, trimmed after the device graph: (output index, dim, size)
+    trims: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def sizes(self, transfers: list[torch.Tensor]) -> dict[str, int]:
+        """The data-dependent sizes of this call (symbol -> value), read off the unpadded transfers."""
+        values = {}
+        for value, transfer in zip(transfers, self.transfers):
+            for dim, expression in transfer.sizes.items():
+                if expression.isidentifier():
+                    values[expression] = value.shape[dim]
+        return values
+
+
+def _unbacked(val) -> set:
+    if isinstance(val, (tuple, list)):
+        return set().union(*map(_unbacked, val)) if val else set()
+    if isinstance(val, (torch.Tensor, torch.SymInt, torch.SymBool)):
+        return set(free_unbacked_symbols(val))
+    return set()
+
+
+def _sources(gm: GraphModule) -> list[Node]:
+    """Ops that create a data-dependent size (their output has an unbacked symbol none of their inputs has)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            created = _unbacked(node.meta.get("val")) - set().union(*(_unbacked(n.meta.get("val"))
+                                                                      for n in node.all_input_nodes))
+            if created:
+                found.append(node)
+    return found
+
+
+def _host_nodes(gm: GraphModule, sources: list[Node]) -> set[Node]:
+    """The sources, what only they (transitively) consume, the unpacking of their results, the arithmetic and
+    checks on their sizes, and tensors sized by them."""
+    host = set(sources)
+    nodes = list(gm.graph.nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(nodes):  # producers used only by the host
+            if node not in host and node.op == "call_function" and node.users and all(u in host for u in node.users):
+                host.add(node)
+                changed = True
+        for node in nodes:  # unpacking and size arithmetic on host values
+            if node in host or node.op != "call_function" or not node.all_input_nodes:
+                continue
+            # size arithmetic, unpacking, and tensors sized by a host number (arange(n)) stay with the host
+            scalar = not isinstance(node.meta.get("val"), torch.Tensor) or node.target is operator.getitem or any(
+                not isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes)
+            if scalar and all(n in host for n in node.all_input_nodes):
+                host.add(node)
+                changed = True
+    return host
+
+
+def _bound(expression, traced_bounds: dict[str, int], user_bounds: dict[str, int], source: Node) -> int:
+    symbols = {str(s): s for s in expression.free_symbols}
+    values = {}
+    for name, symbol in symbols.items():
+        bound = user_bounds.get(source.name, traced_bounds.get(name))
+        if bound is None:
+            raise PartitionError(
+                f"{source.name} ({source.target}) has a data-dependent size {name} with no upper bound; add "
+                f"torch._check({name_hint(source)} <= k) after it in the model, or pass "
+                f"partition(..., bounds={{'{source.name}': k}})")
+        values[symbol] = bound
+    return int(expression.xreplace(values))
+
+
+def name_hint(source: Node) -> str:
+    return "n" if source.target is not torch.ops.aten._unique2.default else "values.shape[0]"
+
+
+def _check_padding_is_inert(gm: GraphModule, padded: dict[Node, int], trims: set[tuple[int, int]]) -> None:
+    """Padding rows must never change a result. A padded dim is followed like a sequence shard, with the same
+    rules (ops that treat rows one by one carry it; views keep it outermost); it may end only where rows are picked
+    by index (``index_select`` along it: valid indices never point at padding, which sits at the end). Anything else
+    that reaches it (a reduction over it, a matmul contracting it, attention, a concatenation along it, the graph
+    output, unless that output is trimmed back to its data-dependent size) would mix padding into results: refused,
+    naming the op."""
+    placements = {node: Shard(dim) for node, dim in padded.items()}
+    for node in gm.graph.nodes:
+        reads = [n for n in node.all_input_nodes if any_sharded(placements.get(n, Replicate()))]
+        if node.op == "placeholder" or not reads:
+            continue
+        if node.op == "output" and all((node.args[0].index(n), placements[n].dim) in trims for n in reads):
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is torch.ops.aten.index_select.default and source in reads and reads == [source] and \
+                node.args[1] % len(source.meta["val"].shape) == placements[source].dim:
+            continue
+        problem = None
+        try:
+            decision = rule_for(node, sequence_axis="padding")(node, placements, 1)
+        except Unshardable as error:
+            problem = str(error)
+        else:
+            if node.target is torch.ops.aten.scaled_dot_product_attention.default or isinstance(
+                    decision.output, PackedShard):
+                problem = "attention or concatenation along the padded dim"
+            placements[node] = decision.output
+        if problem:
+            raise PartitionError(f"{reads[0].name} is padded to a static bound, and {node.name} ({node.target}) "
+                                 f"would mix the padding into its result ({problem}); only row-wise ops and "
+                                 "index_select along the padded dim may read a padded value")
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    sources = _sources(gm)
+    if not sources:
+        return gm
+    host = _host_nodes(gm, sources)
+    placeholders = ctx.placeholder_inputs(gm)
+    source_of = {}  # symbol -> the op that created it, for bounds and messages
+    for source in sources:
+        for symbol in _unbacked(source.meta["val"]):
+            source_of.setdefault(str(symbol), source)
+
+    # 1. The prologue: host nodes, in order, over the user inputs they read.
+    prologue, env, inputs = Graph(), {}, []
+    for node, graph_input in placeholders.items():
+        if graph_input.kind == "user" and any(u in host for u in node.users):
+            env[node] = prologue.placeholder(node.name)
+            inputs.append(graph_input.target)
+        elif any(u in host for u in node.users):
+            raise PartitionError(f"{node.name} ({graph_input.target}) is a model tensor read by data-dependent host "
+                                 "code; only forward arguments can feed the host prologue")
+    ordered = [n for n in gm.graph.nodes if n in host]
+    for node in ordered:
+        env[node] = prologue.node_copy(node, lambda n: env[n])
+    outgoing = [n for n in ordered if isinstance(n.meta.get("val"), torch.Tensor)
+                and any(u not in host for u in n.users)]
+    for node in ordered:
+        if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)) and any(u not in host for u in node.users):
+            raise PartitionError(f"{node.name} ({node.target}) is a data-dependent number that device ops use "
+                                 f"({', '.join(u.name for u in node.users if u not in host)}); compute the tensor it "
+                                 "sizes on the host, or give the model a static size")
+    prologue.output(tuple(env[n] for n in outgoing))
+
+    # 2. The device graph reads them as placeholders, padded to their bounds.
+    transfers, last = [], [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for index, node in enumerate(outgoing):
+        val = node.meta["val"]
+        sizes, shape = {}, []
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and free_unbacked_symbols(size):
+                expression = size.node.expr
+                source = source_of[str(next(iter(expression.free_symbols)))]
+                sizes[dim] = str(expression)
+                shape.append(_bound(expression, ctx.size_bounds, ctx.bounds, source))
+            else:
+                shape.append(int(size))
+        transfers.append(Transfer(node.name, tuple(shape), val.dtype, sizes))
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"host_{node.name}")
+        node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in host)
+        ctx.inputs.append(GraphInput("host", index, persistent=False))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    trims = [(index, dim, str(size.node.expr)) for index, value in enumerate(output.args[0])
+             if isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
+             for dim, size in enumerate(value.meta["val"].shape)
+             if isinstance(size, torch.SymInt) and free_unbacked_symbols(size)]
+    hoisted = {n.name: f"{n.target}: output size depends on tensor values" for n in sources}
+    for n in ordered:
+        if n in sources or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        unpacks = n.target is operator.getitem and n.args[0] in sources
+        hoisted[n.name] = f"result of {n.args[0].name}" if unpacks else f"{n.target}: feeds only the host prologue"
+    for node in reversed(ordered):
+        gm.graph.erase_node(node)
+    for node in [n for n in gm.graph.nodes if n.target in _SIZE_CHECKS]:
+        gm.graph.erase_node(node)
+    # forward arguments only the prologue reads are no longer device inputs
+    kept = []
+    for node, graph_input in zip([n for n in gm.graph.nodes if n.op == "placeholder"], list(ctx.inputs)):
+        if graph_input.kind == "user" and not node.users and any(graph_input.target == i for i in inputs):
+            gm.graph.erase_node(node)
+        else:
+            kept.append(graph_input)
+    ctx.inputs[:] = kept
+    ctx.host = HostProgram(GraphModule(gm, prologue, class_name="HostPrologue"), inputs, transfers, hoisted, trims)
+
+    # 3. Static shapes: propagate bounded sizes through the device graph.
+    gm.graph.lint()
+    gm.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = []
+        for node, graph_input in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs):
+            val = node.meta.get("val")
+            if graph_input.kind == "host":
+                transfer = transfers[graph_input.target]
+                fakes.append(torch.empty(transfer.shape, dtype=transfer.dtype))
+            elif isinstance(val, torch.Tensor):
+                fakes.append(torch.empty(val.shape, dtype=val.dtype, device=val.device))
+            else:
+                fakes.append(val)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    host_nodes = {n: gi for n, gi in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs)
+                  if gi.kind == "host"}
+    _check_padding_is_inert(gm, {n: next(iter(transfers[gi.target].sizes)) for n, gi in host_nodes.items()
+                                 if transfers[gi.target].sizes}, {(index, dim) for index, dim, _ in trims})
+    check(gm)
+    return gm
+
+
+def check(gm: GraphModule) -> None:
+    """Postcondition: no value of the device graph has a data-dependent size."""
+    for node in gm.graph.nodes:
+        if _unbacked(node.meta.get("val")):
+            raise AssertionError(f"{node.name} still has a data-dependent size {node.meta['val']}")
