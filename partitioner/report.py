@@ -30,6 +30,7 @@ class Report:
     collectives: list[CollectiveStat]
     activation_peak_bytes: int  # estimate: most bytes of intermediate values alive at once, run in graph order
     linear_styles: dict[str, str] = field(default_factory=dict)
+    hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs in the host prologue
 
     @property
     def total_parameter_bytes(self) -> int:
@@ -54,6 +55,9 @@ class Report:
         if not self.collectives:
             lines.append("  (none)")
         lines.append(f"  activation peak per rank (estimate): {_bytes(self.activation_peak_bytes)}")
+        if self.hoisted:
+            lines.append(f"  host prologue (CPU): {len(self.hoisted)} nodes; "
+                         + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
         styles = Counter(self.linear_styles.values())
         lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
         return "\n".join(lines)
@@ -139,4 +143,4 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
         if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
-                  activation_peak(gm, ctx), dict(ctx.linear_styles))
+                  activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {})
