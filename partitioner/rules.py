@@ -227,49 +227,47 @@ def view(node: Node, placements, axis_size: int) -> Decision:
     return Decision(Shard(out_dim), {source: placement})
 
 
-def permute(node: Node, placements, axis_size: int) -> Decision:
-    source = node.args[0]
-    placement = placements.get(source, R)
-    if not is_sharded(placement):
-        return _same_as_input(node, placements, source)
-    ndim = len(shape_of(source))
+def _moves_dims(new_dim: Callable[[Node, int], int]) -> Callable:
+    """The rule of a single-input op that only moves dims around: the shard follows its dim to ``new_dim``."""
+    def rule(node: Node, placements, axis_size: int) -> Decision:
+        source = node.args[0]
+        placement = placements.get(source, R)
+        if not is_sharded(placement):
+            return _same_as_input(node, placements, source)
+        return Decision(_with_dim(placement, new_dim(node, placement.dim)), {source: placement})
+    rule.__doc__ = new_dim.__doc__
+    return rule
+
+
+@_moves_dims
+def permute(node: Node, dim: int) -> int:
+    """permute / transpose"""
+    ndim = len(shape_of(node.args[0]))
     if node.target is aten.permute.default:
         order = [_norm_dim(d, ndim) for d in node.args[1]]
-    else:  # transpose.int
+    else:
         a, b = (_norm_dim(d, ndim) for d in node.args[1:3])
         order = list(range(ndim))
         order[a], order[b] = order[b], order[a]
-    return Decision(_with_dim(placement, order.index(placement.dim)), {source: placement})
+    return order.index(dim)
 
 
-def unsqueeze(node: Node, placements, axis_size: int) -> Decision:
-    source = node.args[0]
-    placement = placements.get(source, R)
-    if not is_sharded(placement):
-        return _same_as_input(node, placements, source)
-    dim = _norm_dim(node.args[1], len(shape_of(node)))
-    return Decision(_with_dim(placement, placement.dim + (dim <= placement.dim)), {source: placement})
+@_moves_dims
+def unsqueeze(node: Node, dim: int) -> int:
+    return dim + (_norm_dim(node.args[1], len(shape_of(node))) <= dim)
 
 
-def squeeze(node: Node, placements, axis_size: int) -> Decision:
-    source = node.args[0]
-    placement = placements.get(source, R)
-    if not is_sharded(placement):
-        return _same_as_input(node, placements, source)
-    in_shape = shape_of(source)
+@_moves_dims
+def squeeze(node: Node, dim: int) -> int:
+    in_shape = shape_of(node.args[0])
     dims = node.args[1] if len(node.args) > 1 else [d for d, s in enumerate(in_shape) if s == 1]
     dims = [_norm_dim(d, len(in_shape)) for d in ([dims] if isinstance(dims, int) else dims)]
-    dims = [d for d in dims if in_shape[d] == 1]
-    return Decision(_with_dim(placement, placement.dim - sum(d < placement.dim for d in dims)), {source: placement})
+    return dim - sum(d < dim and in_shape[d] == 1 for d in dims)
 
 
-def expand(node: Node, placements, axis_size: int) -> Decision:
-    source = node.args[0]
-    placement = placements.get(source, R)
-    if not is_sharded(placement):
-        return _same_as_input(node, placements, source)
-    shift = len(shape_of(node)) - len(shape_of(source))
-    return Decision(_with_dim(placement, placement.dim + shift), {source: placement})
+@_moves_dims
+def expand(node: Node, dim: int) -> int:
+    return dim + len(shape_of(node)) - len(shape_of(node.args[0]))
 
 
 def slice_like(node: Node, placements, axis_size: int) -> Decision:
