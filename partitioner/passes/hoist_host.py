@@ -158,88 +158,96 @@ def _check_padding_is_inert(gm: GraphModule, padded: dict[Node, int], trims: set
                                  "index_select along the padded dim may read a padded value")
 
 
-def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    sources = _sources(gm)
-    if not sources:
-        return gm
-    host = _host_nodes(gm, sources)
-    placeholders = ctx.placeholder_inputs(gm)
-    source_of = {}  # symbol -> the op that created it, for bounds and messages
-    for source in sources:
-        for symbol in _unbacked(source.meta["val"]):
-            source_of.setdefault(str(symbol), source)
+def _placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
-    # 1. The prologue: host nodes, in order, over the user inputs they read.
+
+def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple[Graph, list[int], list[Node]]:
+    """The host nodes, in order, over the forward arguments they read; returns the graph, those arguments' indices,
+    and the host values the device reads (the transfers)."""
     prologue, env, inputs = Graph(), {}, []
-    for node, graph_input in placeholders.items():
-        if graph_input.kind == "user" and any(u in host for u in node.users):
-            env[node] = prologue.placeholder(node.name)
-            inputs.append(graph_input.target)
-        elif any(u in host for u in node.users):
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        if not any(u in host for u in node.users):
+            continue
+        if graph_input.kind != "user":
             raise PartitionError(f"{node.name} ({graph_input.target}) is a model tensor read by data-dependent host "
                                  "code; only forward arguments can feed the host prologue")
+        env[node] = prologue.placeholder(node.name)
+        inputs.append(graph_input.target)
     ordered = [n for n in gm.graph.nodes if n in host]
     for node in ordered:
         env[node] = prologue.node_copy(node, lambda n: env[n])
-    outgoing = [n for n in ordered if isinstance(n.meta.get("val"), torch.Tensor)
-                and any(u not in host for u in n.users)]
-    for node in ordered:
-        if not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)) and any(u not in host for u in node.users):
+        device_users = [u.name for u in node.users if u not in host]
+        if device_users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
             raise PartitionError(f"{node.name} ({node.target}) is a data-dependent number that device ops use "
-                                 f"({', '.join(u.name for u in node.users if u not in host)}); compute the tensor it "
-                                 "sizes on the host, or give the model a static size")
+                                 f"({', '.join(device_users)}); compute the tensor it sizes on the host, or give "
+                                 "the model a static size")
+    outgoing = [n for n in ordered if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in host for u in n.users)]
     prologue.output(tuple(env[n] for n in outgoing))
+    return prologue, inputs, outgoing
 
-    # 2. The device graph reads them as placeholders, padded to their bounds.
-    transfers, last = [], [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+
+def _add_transfers(gm: GraphModule, ctx: PassContext, host: set[Node], outgoing: list[Node],
+                   source_of: dict[str, Node]) -> list[Transfer]:
+    """Device placeholders for the host values, with each data-dependent dim bounded."""
+    transfers, last = [], _placeholders(gm)[-1]
     for index, node in enumerate(outgoing):
-        val = node.meta["val"]
         sizes, shape = {}, []
-        for dim, size in enumerate(val.shape):
+        for dim, size in enumerate(node.meta["val"].shape):
             if isinstance(size, torch.SymInt) and free_unbacked_symbols(size):
                 expression = size.node.expr
-                source = source_of[str(next(iter(expression.free_symbols)))]
                 sizes[dim] = str(expression)
-                shape.append(_bound(expression, ctx.size_bounds, ctx.bounds, source))
+                shape.append(_bound(expression, ctx.size_bounds, ctx.bounds,
+                                    source_of[str(next(iter(expression.free_symbols)))]))
             else:
                 shape.append(int(size))
-        transfers.append(Transfer(node.name, tuple(shape), val.dtype, sizes))
+        transfers.append(Transfer(node.name, tuple(shape), node.meta["val"].dtype, sizes))
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(f"host_{node.name}")
         node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in host)
         ctx.inputs.append(GraphInput("host", index, persistent=False))
+    return transfers
+
+
+def _output_trims(gm: GraphModule) -> list[tuple[int, int, str]]:
+    """Graph outputs with a data-dependent dim: (output index, dim, size expression)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    trims = [(index, dim, str(size.node.expr)) for index, value in enumerate(output.args[0])
-             if isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
-             for dim, size in enumerate(value.meta["val"].shape)
-             if isinstance(size, torch.SymInt) and free_unbacked_symbols(size)]
+    return [(index, dim, str(size.node.expr)) for index, value in enumerate(output.args[0])
+            if isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
+            for dim, size in enumerate(value.meta["val"].shape)
+            if isinstance(size, torch.SymInt) and free_unbacked_symbols(size)]
+
+
+def _reasons(gm: GraphModule, host: set[Node], sources: list[Node]) -> dict[str, str]:
+    """Why each hoisted node runs on the host, in graph order."""
     hoisted = {n.name: f"{n.target}: output size depends on tensor values" for n in sources}
-    for n in ordered:
-        if n in sources or not isinstance(n.meta.get("val"), torch.Tensor):
-            continue
-        unpacks = n.target is operator.getitem and n.args[0] in sources
-        hoisted[n.name] = f"result of {n.args[0].name}" if unpacks else f"{n.target}: feeds only the host prologue"
-    for node in reversed(ordered):
+    for n in (n for n in gm.graph.nodes if n in host):
+        if n not in sources and isinstance(n.meta.get("val"), torch.Tensor):
+            unpacks = n.target is operator.getitem and n.args[0] in sources
+            hoisted[n.name] = f"result of {n.args[0].name}" if unpacks else f"{n.target}: feeds only the host prologue"
+    return hoisted
+
+
+def _remove_from_device(gm: GraphModule, ctx: PassContext, host: set[Node], prologue_inputs: list[int]) -> None:
+    """Erase the host nodes, the trace-time size checks, and forward arguments only the prologue reads."""
+    for node in reversed([n for n in gm.graph.nodes if n in host]):
         gm.graph.erase_node(node)
     for node in [n for n in gm.graph.nodes if n.target in _SIZE_CHECKS]:
         gm.graph.erase_node(node)
-    # forward arguments only the prologue reads are no longer device inputs
     kept = []
-    for node, graph_input in zip([n for n in gm.graph.nodes if n.op == "placeholder"], list(ctx.inputs)):
-        if graph_input.kind == "user" and not node.users and any(graph_input.target == i for i in inputs):
+    for node, graph_input in zip(_placeholders(gm), list(ctx.inputs)):
+        if graph_input.kind == "user" and not node.users and graph_input.target in prologue_inputs:
             gm.graph.erase_node(node)
         else:
             kept.append(graph_input)
     ctx.inputs[:] = kept
-    ctx.host = HostProgram(GraphModule(gm, prologue, class_name="HostPrologue"), inputs, transfers, hoisted, trims)
 
-    # 3. Static shapes: propagate bounded sizes through the device graph.
-    gm.graph.lint()
-    gm.recompile()
+
+def _propagate_static_shapes(gm: GraphModule, ctx: PassContext, transfers: list[Transfer]) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fakes = []
-        for node, graph_input in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs):
+        for node, graph_input in zip(_placeholders(gm), ctx.inputs):
             val = node.meta.get("val")
             if graph_input.kind == "host":
                 transfer = transfers[graph_input.target]
@@ -249,10 +257,29 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             else:
                 fakes.append(val)
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    host_nodes = {n: gi for n, gi in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs)
-                  if gi.kind == "host"}
-    _check_padding_is_inert(gm, {n: next(iter(transfers[gi.target].sizes)) for n, gi in host_nodes.items()
-                                 if transfers[gi.target].sizes}, {(index, dim) for index, dim, _ in trims})
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    sources = _sources(gm)
+    if not sources:
+        return gm
+    host = _host_nodes(gm, sources)
+    source_of = {}  # symbol -> the op that created it, for bounds and messages
+    for source in sources:
+        for symbol in _unbacked(source.meta["val"]):
+            source_of.setdefault(str(symbol), source)
+    prologue, prologue_inputs, outgoing = _build_prologue(gm, ctx, host)
+    transfers = _add_transfers(gm, ctx, host, outgoing, source_of)
+    trims = _output_trims(gm)
+    ctx.host = HostProgram(GraphModule(gm, prologue, class_name="HostPrologue"), prologue_inputs, transfers,
+                           _reasons(gm, host, sources), trims)
+    _remove_from_device(gm, ctx, host, prologue_inputs)
+    gm.graph.lint()
+    gm.recompile()
+    _propagate_static_shapes(gm, ctx, transfers)
+    padded = {node: next(iter(transfers[gi.target].sizes)) for node, gi in zip(_placeholders(gm), ctx.inputs)
+              if gi.kind == "host" and transfers[gi.target].sizes}
+    _check_padding_is_inert(gm, padded, {(index, dim) for index, dim, _ in trims})
     check(gm)
     return gm
 
