@@ -82,7 +82,8 @@ class Partitioned:
 
     def compile(self, backend: str = "eager", **options):
         """A callable taking the model's forward arguments and returning what its forward returns.
-        ``backend``: "eager" or "inductor" (options: ``regional=True``)."""
+        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``) or "neuron" (checks its rules,
+        then needs torch-neuronx)."""
         if not self.mesh.runnable:
             raise RuntimeError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
                                "a DeviceMesh on initialised process groups")
@@ -95,6 +96,8 @@ class Partitioned:
         if len(devices) > 1:
             raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
+        if backend == "neuron":
+            options.setdefault("mesh", self.mesh)  # its rules depend on the mesh (all-to-all group sizes)
         lowered = backends.get(backend)(self.graph_module, **options)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
                                  self.model_name, self.ctx.host)
@@ -118,7 +121,8 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
-              dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None) -> Partitioned:
+              dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
+              backend_checks: str | None = None) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
@@ -126,11 +130,18 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``. ``dump_dir`` (or
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
     for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``).
+    ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
+    ``NeuronLegalityError`` lists every problem with its fix).
     """
     spec = as_mesh_spec(mesh, rank)
     traced = trace(model, example_inputs)
     _compute_meta_buffers(model, traced)
-    return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
+    partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
+    if backend_checks is not None:
+        if backend_checks != "neuron":
+            raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks")
+        backends.neuron.require_legal(partitioned.graph_module, spec)
+    return partitioned
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,

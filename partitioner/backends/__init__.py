@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import eager, inductor
+from . import eager, inductor, neuron
 
-BACKENDS: dict[str, Callable] = {"eager": eager.lower, "inductor": inductor.lower}
+BACKENDS: dict[str, Callable] = {"eager": eager.lower, "inductor": inductor.lower, "neuron": neuron.lower}
 
 
 def get(name: str) -> Callable:

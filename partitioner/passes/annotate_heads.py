@@ -46,7 +46,7 @@ class HeadInfo:
 
 def _module_path(node: Node) -> str:
     stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else node.name
+    return (list(stack.values())[-1][0] if stack else "") or node.name
 
 
 def _attention_module(attention: Node, q_proj: Node | None, out_proj: Node | None) -> str:
@@ -59,7 +59,7 @@ def _attention_module(attention: Node, q_proj: Node | None, out_proj: Node | Non
         if len(set(parts)) != 1:
             break
         common.append(parts[0])
-    return ".".join(common) or _module_path(attention)
+    return ".".join(common) or attention.name
 
 
 def _is_head_split(node: Node, head_dim: int) -> bool:
