@@ -96,9 +96,7 @@ class Partitioned:
         if len(devices) > 1:
             raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
-        if backend == "neuron":
-            options.setdefault("mesh", self.mesh)  # its rules depend on the mesh (all-to-all group sizes)
-        lowered = backends.get(backend)(self.graph_module, **options)
+        lowered = backends.get(backend)(self.graph_module, mesh=self.mesh, **options)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
                                  self.model_name, self.ctx.host)
 

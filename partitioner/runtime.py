@@ -36,6 +36,7 @@ class CompiledPartition:
         self.stats = getattr(lowered, "stats", None)  # compilation counts, for backends that compile
         self.traced = traced
         self.state = state  # this rank's tensors, in placeholder order
+        self.device = state[0].device if state else torch.device("cpu")  # where this rank computes
         self.owner = owner
         self.user_index = [gi.target for gi in traced.inputs if gi.kind == "user"]
         placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
@@ -57,7 +58,6 @@ class CompiledPartition:
             if type(given) is not type(value) or given != value:
                 raise InputError(f"{self.owner}: argument {names[index]}={given!r} differs from the traced "
                                  f"{value!r}; partition again with it in example_inputs")
-        device = self.state[0].device if self.state else None
         for index, expected in zip(self.user_index, self.user_vals):
             value = flat[index]
             if not isinstance(expected, torch.Tensor):
@@ -68,8 +68,9 @@ class CompiledPartition:
             if tuple(value.shape) != tuple(expected.shape) or value.dtype != expected.dtype:
                 raise InputError(f"{self.owner}: {names[index]} is {_tensor(value)}, traced with {_tensor(expected)}; "
                                  "this partition is static-shaped, partition again")
-            if device is not None and value.device != device:
-                raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on {device}")
+            if self.state and value.device != self.device:
+                raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on "
+                                 f"{self.device}")
         return flat, [flat[i] for i in self.user_index], return_dict
 
     def _raise_structure_mismatch(self, named: dict) -> None:
@@ -84,7 +85,6 @@ class CompiledPartition:
     def run_host(self, flat: list) -> tuple[list[torch.Tensor], dict[str, int]]:
         """Run the prologue on the CPU and pad its results to the bounds the device graph was built for; also
         return this call's data-dependent sizes."""
-        device = self.state[0].device if self.state else torch.device("cpu")
         outputs = self.host.prologue(*(flat[i].cpu() for i in self.host.inputs))
         padded = []
         for value, transfer in zip(outputs, self.host.transfers):
@@ -96,7 +96,7 @@ class CompiledPartition:
                         f"it with torch._check({expression} <= k) in the model or partition(..., bounds=...)")
             full = value.new_zeros(transfer.shape)
             full[tuple(slice(0, size) for size in value.shape)] = value
-            padded.append(full.to(device))
+            padded.append(full.to(self.device))
         return padded, self.host.sizes(outputs)
 
     def __call__(self, *args, **kwargs):

@@ -1,5 +1,5 @@
-"""Backends lower a rank's graph to something that runs. Each is ``lower(gm, **options) -> callable`` taking the
-graph's inputs positionally."""
+"""Backends lower a rank's graph to something that runs. Each is ``lower(gm, *, mesh, **options) -> callable``
+taking the graph's inputs positionally (``mesh`` for backends whose rules depend on it, such as Neuron's)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
                     inspect.signature(gm.forward))
     partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
                                    dump_dir=options.get("dump_dir"))
-    lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module,
+    lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
                                                            **options.get("compile_options", {}))
     # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
     sources = [(None, partitioned.state[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]

@@ -97,8 +97,9 @@ class _Interpreter(torch.fx.Interpreter):
         return self.compiled[target](*args)
 
 
-def lower(gm: GraphModule, *, regional: bool = True, compile_glue: bool = False):
+def lower(gm: GraphModule, *, mesh=None, regional: bool = True, compile_glue: bool = False):
     """A callable running ``gm`` compiled by Inductor; ``.stats`` says how many compilations it took."""
+    del mesh  # the graph's collectives already name the mesh's process groups
     stats = CompileStats()
     if not regional:
         compiled = []
