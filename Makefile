@@ -12,10 +12,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# XLA SPMD: torch_xla's last release needs exactly torch 2.9.0 (a CUDA build, ~7 GB), so it has its own venv.
+XLA_VENV := .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+
+$(XLA_VENV)/.installed: pyproject.toml Makefile
+	test -x $(XLA_PY) || $(PYTHON) -m venv $(XLA_VENV) || python3 -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install -q --upgrade pip
+	$(XLA_PY) -m pip install -q torch==2.9.0 torch_xla==2.9.0
+	$(XLA_PY) -m pip install -q -e ".[test]"
+	touch $@
+
 .PHONY: demo test
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+# The whole suite on the newest torch, then again on torch 2.9 with the XLA SPMD tests (4 virtual CPU devices).
+test: $(VENV)/.installed $(XLA_VENV)/.installed
+	$(PY) -m pytest -q tests --ignore=tests/xla
+	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) -m pytest -q tests

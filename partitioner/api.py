@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -12,24 +13,28 @@ from .checkpoint import CheckpointError, load_shards
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
-from .passes import PIPELINE
+from .passes import PLAN, TO_RANK
 from .report import Report, build_report
 from .runtime import CompiledPartition, place_graph_on
-from .trace import Traced, trace
+from .trace import Traced, copy_graph_module, trace
 from .weights import shard_state
 
 
 class Partitioned:
     """One rank's partition of a model: its graph, its weight shards, and how both were derived."""
 
-    def __init__(self, model_name: str, traced: Traced, ctx: PassContext):
+    def __init__(self, model_name: str, traced: Traced, ctx: PassContext, planned: torch.fx.GraphModule):
         self.model_name = model_name
         self.traced = traced
         self.ctx = ctx
-        self.graph_module = traced.graph_module
+        self.graph_module = traced.graph_module  # this rank's program
+        self.planned_graph = planned  # the global graph with every value's placements (what XLA SPMD takes)
         tensor_names = [gi.target for gi in ctx.inputs if gi.is_model_tensor]
         self.state = shard_state(traced.state, tensor_names, ctx.slice_specs, ctx.mesh)
-        traced.state = {}  # the full tensors are the model's; keep only this rank's shards
+        # A mesh given as axis sizes is driven by one process (XLA SPMD): it keeps the model's full tensors. A
+        # DeviceMesh rank keeps only its shards, so the model can be freed.
+        self.global_state = traced.state if not ctx.mesh.runnable else None
+        traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
         """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
@@ -82,8 +87,10 @@ class Partitioned:
 
     def compile(self, backend: str = "eager", **options):
         """A callable taking the model's forward arguments and returning what its forward returns.
-        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``) or "neuron" (checks its rules,
-        then needs torch-neuronx)."""
+        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (checks its rules,
+        then needs torch-neuronx) or "xla" (one process drives every device through XLA SPMD; option ``verify``)."""
+        if backend == "xla":
+            return self._compile_xla(**options)
         if not self.mesh.runnable:
             raise RuntimeError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
                                "a DeviceMesh on initialised process groups")
@@ -99,6 +106,22 @@ class Partitioned:
         lowered = backends.get(backend)(self.graph_module, mesh=self.mesh, **options)
         return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
                                  self.model_name, self.ctx.host)
+
+    def _compile_xla(self, verify: bool | str = True):
+        """XLA SPMD partitions the global graph itself, from the plan's placements; it takes full tensors."""
+        if self.global_state is None:
+            raise RuntimeError("backend='xla' drives every device from one process: partition with the mesh as "
+                               f"axis sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
+        meta = [name for name, t in self.global_state.items() if t.is_meta]
+        if meta:
+            raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
+                               "needs real weights to run")
+        planned = Counter()
+        for c in self.report().collectives:
+            planned[(c.kind, c.axis)] += c.count
+        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=planned, verify=verify)
+        state = [self.global_state[gi.target].cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
+        return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -136,9 +159,17 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     _compute_meta_buffers(model, traced)
     partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
     if backend_checks is not None:
-        if backend_checks != "neuron":
+        # "neuron", or {"neuron": options of compile(backend="neuron")} such as {"pad_sequence": True}
+        name, options = (backend_checks, {}) if isinstance(backend_checks, str) else next(iter(backend_checks.items()))
+        if name != "neuron" or not isinstance(backend_checks, str) and len(backend_checks) != 1:
             raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks")
-        backends.neuron.require_legal(partitioned.graph_module, spec)
+        from .passes import PIPELINE
+
+        options = dict(options)
+        legal = backends.neuron.legalize(partitioned.graph_module, pad_sequence=options.pop("pad_sequence", False))
+        Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"), len(PIPELINE) + 1, partitioned.graph_module)(
+            "neuron_legalize", legal, partitioned.ctx)  # the graph the checks see, after the passes' dumps
+        backends.neuron.require_legal(legal, spec, **options)
     return partitioned
 
 
@@ -149,8 +180,12 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
-    for name, run_pass in PIPELINE:
+    for name, run_pass in PLAN:
         gm = run_pass(gm, ctx)
         dump(name, gm, ctx, {"prologue": ctx.host.prologue} if name == "hoist_host" and ctx.host else None)
+    planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
+    for name, run_pass in TO_RANK:
+        gm = run_pass(gm, ctx)
+        dump(name, gm, ctx)
     traced.graph_module, traced.inputs = gm, ctx.inputs
-    return Partitioned(model_name, traced, ctx)
+    return Partitioned(model_name, traced, ctx, planned)

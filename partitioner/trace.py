@@ -167,3 +167,18 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose graph and node meta can be rewritten without touching ``gm``'s: meta that is keyed by
+    nodes (a pass's ``meta["required"]``) is re-keyed to the copy's nodes; values (placements, fake tensors) are
+    shared, as passes replace them rather than mutate them."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    mapping = dict(zip(gm.graph.nodes, graph.nodes))  # graph_copy keeps the order, output last
+    for old, new in mapping.items():
+        new.meta = dict(old.meta)
+        if "required" in old.meta:
+            new.meta["required"] = {axis: {mapping[node]: placement for node, placement in requirements.items()}
+                                    for axis, requirements in old.meta["required"].items()}
+    return torch.fx.GraphModule(gm, graph)

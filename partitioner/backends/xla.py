@@ -1,0 +1,426 @@
+"""XLA SPMD (torch_xla): the plan's placements become sharding annotations; XLA's SPMD partitioner inserts the
+collectives, and its partitioned HLO is checked against the plan.
+
+One process drives every XLA device, so this backend takes the *global* planned graph (``Partitioned.planned_graph``,
+before ``insert_collectives``) and the model's full tensors. It interprets the graph on XLA tensors and annotates:
+
+- every input with ``mark_sharding`` from its placements (``Shard(d)`` over an axis puts that mesh axis on dim
+  ``d``; a dim sharded over several axes lists them in mesh order, as ``localize`` splits them);
+- every value whose placements XLA can express (no ``Partial``) with a custom sharding annotation, so XLA's
+  propagation has no freedom to pick another layout;
+- every edge where a consumer requires another placement than its producer has (the edges where
+  ``insert_collectives`` puts a collective) with a second annotation on a copy: Shard(a) -> Shard(b) becomes XLA's
+  all-to-all, Partial -> Replicate its all-reduce, Shard -> Replicate its all-gather, Replicate -> Shard a local
+  slice.
+
+Packed projections (SwiGLU's ``[value; gate]`` in one Linear, a ``PackedShard``) cannot be a tile sharding of the
+fused dim: each rank holds a slice of each block, which is not one contiguous range. Annotated naively, XLA
+re-lays the halves out with extra all-reduces and collective-permutes. Here the fused weight is reshaped on the host
+to ``[blocks, rows, ...]`` and sharded on ``rows``; the Linear becomes an einsum giving ``[..., blocks, rows]``, and
+the ``chunk`` that splits the halves becomes ``select``: the HLO then has exactly the plan's collectives.
+
+Linear and attention are written as einsums: ``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims
+into one, which merges a sharded dim with an unsharded one and makes XLA reshard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from ..placement import PackedShard, Partial, Replicate, Shard
+from ..runtime import place_graph_on
+from ..trace import copy_graph_module
+
+aten = torch.ops.aten
+_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
+
+
+class XlaBackendError(RuntimeError):
+    pass
+
+
+class CollectiveMismatch(AssertionError):
+    pass
+
+
+def _torch_xla():
+    try:
+        import torch_xla  # noqa: F401
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+    except ImportError as error:
+        raise XlaBackendError(
+            f"backend='xla' needs torch_xla, which is not importable here ({error}). torch_xla 2.9 needs exactly "
+            f"torch==2.9.0 (this is torch {torch.__version__}): use a separate virtual environment, e.g. "
+            "`make .venv-xla` (see README, XLA SPMD)") from error
+    return torch_xla, xs, xr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Placements -> partition specs
+
+
+def partition_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> tuple | None:
+    """The torch_xla partition spec of a value placed as ``placements`` (axis -> placement), or None when XLA
+    cannot express it (Partial, or a packed shard of the fused dim)."""
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    for axis in mesh_axes:
+        placement = placements.get(axis, Replicate())
+        if isinstance(placement, (Partial, PackedShard, tuple)):
+            return None
+        if isinstance(placement, Shard):
+            dims[placement.dim % ndim].append(axis)
+    return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in dims)
+
+
+def packed_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> tuple | None:
+    """The spec of a packed value held as ``[..., blocks, rows, ...]`` (one more dim than the fused value): the
+    packed axis shards ``rows``, the other axes keep their dims (shifted past the new one)."""
+    packed = [p for p in placements.values() if isinstance(p, PackedShard)]
+    fused = packed[0].dim % ndim
+    unpacked = {}
+    for axis, placement in placements.items():
+        if isinstance(placement, PackedShard):
+            unpacked[axis] = Shard(fused + 1)
+        elif isinstance(placement, Shard) and placement.dim % ndim > fused:
+            unpacked[axis] = Shard(placement.dim % ndim + 1)
+        else:
+            unpacked[axis] = placement
+    return partition_spec(unpacked, ndim + 1, mesh_axes)
+
+
+@dataclass
+class Packed:
+    """A value of a packed placement, held as ``[..., blocks, rows, ...]`` with the blocks at ``dim``."""
+    tensor: torch.Tensor
+    dim: int
+
+    def fused(self) -> torch.Tensor:
+        return self.tensor.flatten(self.dim, self.dim + 1)
+
+
+def _pack(tensor: torch.Tensor, placement: PackedShard) -> Packed:
+    dim = placement.dim % tensor.dim()
+    if len(set(placement.blocks)) != 1:
+        raise XlaBackendError(f"packed blocks of unequal sizes {list(placement.blocks)} are not supported by the "
+                              "XLA backend")
+    blocks = len(placement.blocks)
+    return Packed(tensor.unflatten(dim, (blocks, tensor.shape[dim] // blocks)), dim)
+
+
+def _packed_placement(placements: dict) -> PackedShard | None:
+    return next((p for p in placements.values() if isinstance(p, PackedShard)), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the annotated global graph
+
+
+def _linear(x, weight, bias=None):
+    """``aten.linear`` as an einsum over the last dim (no batch flattening); a packed weight gives a packed value."""
+    if isinstance(x, Packed):
+        x = x.fused()
+    if isinstance(weight, Packed):  # weight [blocks, rows, in] -> out [..., blocks, rows]
+        out = torch.einsum("...i,bri->...br", x, weight.tensor)
+        if bias is not None:
+            out = out + bias.tensor
+        return Packed(out, out.dim() - 2)
+    out = torch.einsum("...i,oi->...o", x, weight)
+    return out if bias is None else out + bias
+
+
+def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """Scaled dot-product attention as einsums over (batch, heads, seq, head_dim), batch and heads kept apart."""
+    if attn_mask is not None or dropout_p or is_causal or enable_gqa:
+        return aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                 enable_gqa=enable_gqa)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("...qd,...kd->...qk", q, k) * scale
+    return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v)
+
+
+def _split_packed(target, value: Packed, args, kwargs):
+    """A chunk/split of a packed value exactly into its blocks is a ``select`` on the block dim: no data moves.
+    None for any other split (the caller then splits the fused value)."""
+    blocks, rows = value.tensor.shape[value.dim], value.tensor.shape[value.dim + 1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % (value.tensor.dim() - 1)
+    pieces = args[1]
+    if target is aten.chunk.default:
+        into_blocks = pieces == blocks
+    elif target is aten.split.Tensor:
+        into_blocks = pieces == rows
+    else:
+        into_blocks = list(pieces) == [rows] * blocks
+    if dim != value.dim or not into_blocks:
+        return None
+    return tuple(value.tensor.select(value.dim, index) for index in range(blocks))
+
+
+class _Annotator(Interpreter):
+    """Runs the planned graph on XLA tensors, annotating every value and every redistributed edge."""
+
+    def __init__(self, gm: GraphModule, xs, xla_mesh, mesh_axes: tuple[str, ...]):
+        super().__init__(gm)
+        self.xs, self.xla_mesh, self.mesh_axes = xs, xla_mesh, mesh_axes
+        self.views: dict[tuple[Node, tuple], object] = {}
+
+    def _annotate(self, value, placements: dict, *, mark: bool = False):
+        if isinstance(value, Packed):
+            spec = packed_spec(placements, value.tensor.dim() - 1, self.mesh_axes)
+            if spec is not None:
+                self._annotate_tensor(value.tensor, spec, mark)
+            return value
+        if isinstance(value, torch.Tensor) and value.dim():
+            spec = partition_spec(placements, value.dim(), self.mesh_axes)
+            if spec is not None:
+                self._annotate_tensor(value, spec, mark)
+        return value
+
+    def _annotate_tensor(self, tensor, spec, mark):
+        if mark:
+            self.xs.mark_sharding(tensor, self.xla_mesh, spec)
+        else:
+            self.xs.annotate_custom_sharding(tensor, self.xla_mesh, spec)
+
+    def _input(self, producer: Node, consumer: Node):
+        """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
+        differs (the edge where insert_collectives would put a collective)."""
+        value = self.env[producer]
+        current = producer.meta.get("placements", {})
+        required = dict(current)
+        for axis, requirements in consumer.meta.get("required", {}).items():
+            required[axis] = requirements.get(producer, required.get(axis))
+        if required == current or any(isinstance(p, tuple) for p in required.values()):
+            return value
+        key = (producer, tuple(sorted((axis, repr(p)) for axis, p in required.items())))
+        if key not in self.views:
+            if isinstance(value, Packed):
+                raise XlaBackendError(f"{producer.name}: redistributing a packed value is not supported")
+            copy = value.clone() if isinstance(value, torch.Tensor) else value
+            self.views[key] = self._annotate(copy, required)
+        return self.views[key]
+
+    def run_node(self, node: Node):
+        if node.op == "placeholder":
+            return self._annotate(next(self.args_iter), node.meta.get("placements", {}), mark=True)
+        if node.op != "call_function":
+            return super().run_node(node)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._input(p, node))
+        value = self._call(node.target, args, kwargs)
+        return self._annotate(value, node.meta.get("placements", {}))
+
+    def _call(self, target, args, kwargs):
+        if target is aten.linear.default:
+            return _linear(*args, **kwargs)
+        if target is aten.scaled_dot_product_attention.default:
+            return _attention(*args, **kwargs)
+        if target in _SPLITS and isinstance(args[0], Packed):
+            pieces = _split_packed(target, args[0], args, kwargs)
+            if pieces is not None:
+                return pieces
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), lambda a: a.fused() if isinstance(a, Packed) else a)
+        return target(*args, **kwargs)
+
+    def output(self, target, args, kwargs):
+        return torch.fx.node.map_aggregate(args[0], lambda a: a.fused() if isinstance(a, Packed) else a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading the partitioned HLO
+
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.*?)\s(all-reduce|all-gather|all-to-all|collective-permute|"
+                         r"reduce-scatter)(?:-start)?\(")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}")
+
+
+@dataclass(frozen=True)
+class HloCollective:
+    name: str  # the HLO instruction
+    kind: str  # all_reduce, all_gather, all_to_all, collective_permute, reduce_scatter
+    groups: tuple[tuple[int, ...], ...]  # replica groups (collective_permute: source-target pairs)
+    shape: str  # of its result, as HLO writes it
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    if match := _IOTA_GROUPS.search(line):
+        count, size, dims, perm = match.groups()
+        ids = torch.arange(math.prod(map(int, dims.split(",")))).reshape([int(d) for d in dims.split(",")])
+        if perm:
+            ids = ids.permute([int(p) for p in perm.split(",")])
+        return tuple(map(tuple, ids.reshape(int(count), int(size)).tolist()))
+    match = _LIST_GROUPS.search(line) or _PAIRS.search(line)
+    if not match:
+        return ()
+    return tuple(tuple(int(x) for x in group.split(",") if x) for group in re.findall(r"\{([\d,]*)\}", match.group(1)))
+
+
+def hlo_collectives(hlo_text: str) -> list[HloCollective]:
+    """Every collective of an HLO module's text, with its replica groups."""
+    found = []
+    for line in hlo_text.splitlines():
+        if match := _COLLECTIVE.match(line):
+            name, shape, kind = match.groups()
+            found.append(HloCollective(name, kind.replace("-", "_"), _groups(line), shape))
+    return found
+
+
+def axis_of(groups, mesh) -> str:
+    """The mesh axis whose process groups are ``groups``, else a description of the groups."""
+    normalized = sorted(sorted(group) for group in groups)
+    for axis in mesh.axis_names:
+        if sorted(mesh.groups(axis)) == normalized:
+            return axis
+    if normalized == [list(range(mesh.world_size))]:
+        return "all"
+    return f"groups {normalized}"
+
+
+def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
+    """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines."""
+    got = Counter((c.kind, "pairs" if c.kind == "collective_permute" else axis_of(c.groups, mesh)) for c in found)
+    problems = []
+    for key in sorted(set(got) | set(planned)):
+        if got[key] == planned[key]:
+            continue
+        kind, axis = key
+        line = f"{kind} over {axis}: XLA has {got[key]}, the plan {planned[key]}"
+        if got[key] > planned[key]:
+            extra = [c for c in found if c.kind == kind and (kind == "collective_permute"
+                                                             or axis_of(c.groups, mesh) == axis)]
+            line += "; XLA's: " + ", ".join(f"{c.name} {c.shape} {[list(g) for g in c.groups]}" for c in extra[:8])
+        problems.append(line)
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backend
+
+
+_OWN_DUMPS = "partitioner-xla-"  # prefix of the dump folder this backend makes when XLA_FLAGS names none
+
+
+def _dump_dir() -> Path | None:
+    match = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return Path(match.group(1)) if match else None
+
+
+def _prepare_runtime(torch_xla, xr, mesh, verify) -> None:
+    """SPMD mode, enough devices, and (to verify) HLO dumps: XLA reads its flags once, when its runtime starts."""
+    started = torch_xla._XLAC._xla_runtime_is_initialized()
+    if verify and _dump_dir() is None:
+        if started:
+            raise XlaBackendError("verify=True reads XLA's partitioned HLO, but the XLA runtime started without "
+                                  "--xla_dump_to: set XLA_FLAGS='--xla_dump_to=DIR --xla_dump_hlo_as_text' before "
+                                  "the first XLA call, or compile with verify=False")
+        flags = f"--xla_dump_to={tempfile.mkdtemp(prefix=_OWN_DUMPS)} --xla_dump_hlo_as_text"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+    if not xr.is_spmd():
+        xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    if devices != mesh.world_size:
+        raise XlaBackendError(f"the mesh {mesh.sizes} has {mesh.world_size} devices, XLA has {devices}; on CPU "
+                              f"start with PJRT_DEVICE=CPU CPU_NUM_DEVICES={mesh.world_size}")
+
+
+# XLA compiles a graph once per process and dumps it then: what its partitioned HLO held, by XLA's graph hash.
+_PARTITIONED: dict[object, tuple[list[str], list[HloCollective]]] = {}
+
+
+@dataclass
+class XlaStats:
+    collectives: list[HloCollective] = field(default_factory=list)  # in XLA's partitioned HLO (first call)
+    mismatches: list[str] = field(default_factory=list)
+    hlo_files: list[str] = field(default_factory=list)
+
+
+class XlaProgram:
+    """Takes the global graph's inputs as CPU tensors, returns its outputs as CPU tensors."""
+
+    def __init__(self, planned: GraphModule, mesh, planned_collectives: Counter, verify):
+        self.torch_xla, self.xs, self.xr = _torch_xla()
+        _prepare_runtime(self.torch_xla, self.xr, mesh, verify)
+        self.device = self.torch_xla.device()
+        # device i of the mesh is XLA device i, so HLO replica groups read as mesh.groups(axis)
+        self.xla_mesh = self.xs.Mesh(list(range(mesh.world_size)), mesh.axis_sizes, mesh.axis_names)
+        self.gm = copy_graph_module(planned)
+        place_graph_on(self.gm, self.device)
+        self.mesh, self.planned_collectives, self.verify = mesh, planned_collectives, verify
+        self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.stats = XlaStats()
+        self.calls = 0
+
+    def _to_device(self, value, node: Node):
+        if not isinstance(value, torch.Tensor):
+            return value
+        packed = _packed_placement(node.meta.get("placements", {}))
+        if packed is not None:  # reshaped on the host, so the device never holds the fused layout
+            host = _pack(value, packed)
+            return Packed(host.tensor.to(self.device), host.dim)
+        return value.to(self.device)
+
+    def __call__(self, *inputs):
+        if len(inputs) != len(self.placeholders):
+            raise XlaBackendError(f"expected {len(self.placeholders)} inputs, got {len(inputs)}")
+        before = self._dumped() if self._verifying() else set()
+        args = [self._to_device(value, node) for value, node in zip(inputs, self.placeholders)]
+        annotator = _Annotator(self.gm, self.xs, self.xla_mesh, self.mesh.axis_names)
+        outputs = annotator.run(*args)
+        del annotator, args
+        tensors = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        graph_hash = self.torch_xla._XLAC._get_graph_hash(tensors) if self._verifying() else None
+        self.torch_xla.sync()
+        result = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, outputs)
+        if self._verifying():
+            new = self._dumped() - before
+            try:
+                self._verify(graph_hash, sorted(f for f in new if f.endswith("after_optimizations.txt")))
+            finally:
+                if _dump_dir().name.startswith(_OWN_DUMPS):  # ours: keep the HLO, not every kernel's IR (MBs)
+                    for f in new:
+                        if not f.endswith("optimizations.txt"):
+                            Path(f).unlink(missing_ok=True)
+        self.calls += 1
+        return result
+
+    def _verifying(self) -> bool:
+        return bool(self.verify) and self.calls == 0
+
+    def _dumped(self) -> set[str]:
+        return {str(p) for p in _dump_dir().iterdir()}
+
+    def _verify(self, graph_hash, files: list[str]) -> None:
+        if files:
+            _PARTITIONED[graph_hash] = (files, [c for f in files for c in hlo_collectives(Path(f).read_text())])
+        elif graph_hash not in _PARTITIONED:
+            raise XlaBackendError(f"no partitioned HLO was dumped to {_dump_dir()}; XLA reads XLA_FLAGS once, when "
+                                  "its runtime starts (it may have started before --xla_dump_to was set)")
+        self.stats.hlo_files, self.stats.collectives = _PARTITIONED[graph_hash]
+        self.stats.mismatches = compare(self.stats.collectives, self.planned_collectives, self.mesh)
+        if self.stats.mismatches:
+            message = ("XLA's partitioned HLO does not have the plan's collectives:\n  "
+                       + "\n  ".join(self.stats.mismatches) + f"\n(HLO: {self.stats.hlo_files[-1]})")
+            if self.verify == "warn":
+                warnings.warn(message)
+            else:
+                raise CollectiveMismatch(message)
+
+
+def lower(planned: GraphModule, *, mesh, planned_collectives: Counter | None = None, verify: bool | str = True):
+    """``planned``: the global graph with placements. ``verify``: True checks the first call's partitioned HLO
+    against ``planned_collectives`` ((kind, axis) -> count) and raises ``CollectiveMismatch``; "warn" warns; False
+    skips reading the HLO."""
+    if verify and planned_collectives is None:
+        raise ValueError("verify needs the plan's collectives")
+    return XlaProgram(planned, mesh, planned_collectives or Counter(), verify)

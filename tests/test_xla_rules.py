@@ -1,0 +1,102 @@
+"""The XLA backend's parts that need no torch_xla: placements as partition specs, reading partitioned HLO, the
+comparison with the plan, and its errors. (tests/xla runs the backend itself, in the torch_xla environment.)"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import pytest
+
+import partitioner
+from partitioner.backends.xla import XlaBackendError, axis_of, compare, hlo_collectives, packed_spec, partition_spec
+from partitioner.mesh import as_mesh_spec
+from partitioner.placement import PackedShard, Partial, Replicate, Shard
+from partitioner.testing import TINY_H3, fake_mesh, h3_inputs, tiny_h3
+
+MESH = as_mesh_spec({"tp": 2, "ulysses": 2})
+AXES = MESH.axis_names
+
+HLO = """
+ENTRY %main.1_spmd (param: f32[1,6,48]) -> f32[1,6,48] {
+  %all-reduce.2 = f32[2,32]{1,0} all-reduce(%dot.12), channel_id=5, replica_groups={{0,2},{1,3}}, to_apply=%add
+  %all-to-all = (f32[1,1,12,16]{3,2,1,0}, f32[1,1,12,16]{3,2,1,0}) all-to-all(%a, %b), replica_groups=[2,2]<=[4]
+  %all-gather.1 = f32[1,24,48]{2,1,0} all-gather(%c), channel_id=7, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={1}
+  %collective-permute.7 = f32[2,24]{1,0} collective-permute(%d), channel_id=27, source_target_pairs={{0,2},{1,3}}
+  ROOT %all-reduce-start = f32[8]{0} all-reduce-start(%e), replica_groups={{0,1,2,3}}, to_apply=%add
+  %fusion = f32[8]{0} fusion(%all-reduce.2), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_placements_become_partition_specs_in_mesh_order():
+    assert partition_spec({"tp": Shard(2), "ulysses": Shard(1)}, 4, AXES) == (None, "ulysses", "tp", None)
+    assert partition_spec({"tp": Shard(1), "ulysses": Shard(1)}, 4, AXES) == (None, ("tp", "ulysses"), None, None)
+    assert partition_spec({"tp": Shard(-1), "ulysses": Replicate()}, 3, AXES) == (None, None, "tp")
+    assert partition_spec({"tp": Partial(), "ulysses": Replicate()}, 2, AXES) is None  # XLA cannot say Partial
+    # a packed [value; gate] dim held as [..., 2, rows]: tp shards rows, later dims move one to the right
+    assert packed_spec({"tp": PackedShard(0, (96, 96)), "ulysses": Replicate()}, 2, AXES) == (None, "tp", None)
+    assert packed_spec({"tp": PackedShard(2, (96, 96)), "ulysses": Shard(1)}, 3, AXES) == (None, "ulysses", None, "tp")
+
+
+def test_hlo_collectives_are_read_with_their_groups():
+    found = hlo_collectives(HLO)
+    assert [(c.name, c.kind) for c in found] == [
+        ("all-reduce.2", "all_reduce"), ("all-to-all", "all_to_all"), ("all-gather.1", "all_gather"),
+        ("collective-permute.7", "collective_permute"), ("all-reduce-start", "all_reduce")]
+    assert found[0].groups == ((0, 2), (1, 3))
+    assert found[1].groups == ((0, 1), (2, 3))  # iota form [2,2]<=[4]
+    assert found[2].groups == ((0, 2), (1, 3))  # iota form, transposed
+    assert found[3].groups == ((0, 2), (1, 3))  # source-target pairs
+    assert found[1].shape.startswith("(f32[1,1,12,16]")
+    assert [axis_of(c.groups, MESH) for c in (found[0], found[1], found[4])] == ["tp", "ulysses", "all"]
+    assert axis_of(((0, 3), (1, 2)), MESH) == "groups [[0, 3], [1, 2]]"
+
+
+def test_comparison_names_what_differs():
+    found = hlo_collectives(HLO)
+    planned = Counter({("all_reduce", "tp"): 1, ("all_to_all", "ulysses"): 1, ("all_gather", "ulysses"): 1,
+                       ("all_reduce", "all"): 1})
+    problems = compare(found, planned, MESH)
+    # all-gather.1's groups are tp's groups written transposed: it is over tp, not ulysses
+    assert problems == [
+        "all_gather over tp: XLA has 1, the plan 0; XLA's: all-gather.1 f32[1,24,48]{2,1,0} [[0, 2], [1, 3]]",
+        "all_gather over ulysses: XLA has 0, the plan 1",
+        "collective_permute over pairs: XLA has 1, the plan 0; XLA's: collective-permute.7 f32[2,24]{1,0} "
+        "[[0, 2], [1, 3]]"]
+    exact = Counter({("all_reduce", "tp"): 1, ("all_to_all", "ulysses"): 1, ("all_gather", "tp"): 1,
+                     ("collective_permute", "pairs"): 1, ("all_reduce", "all"): 1})
+    assert compare(found, exact, MESH) == []
+
+
+def test_xla_backend_needs_torch_xla(monkeypatch):
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs))
+    monkeypatch.setitem(sys.modules, "torch_xla", None)  # as where torch_xla is not installed
+    with pytest.raises(XlaBackendError, match=r"needs torch_xla.*torch==2\.9\.0"):
+        partitioned.compile(backend="xla")
+
+
+def test_xla_backend_needs_a_mesh_of_axis_sizes():
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    with fake_mesh((2,), ("tp",), 0) as mesh:
+        partitioned = partitioner.partition(model, mesh, ((), inputs))
+    assert partitioned.global_state is None  # a rank keeps only its shards
+    with pytest.raises(RuntimeError, match=r"one process: partition with the mesh as axis sizes.*\{'tp': 2\}"):
+        partitioned.compile(backend="xla")
+
+
+def test_planned_graph_is_the_global_plan_and_independent_of_the_rank_graph():
+    """The plan is kept before insert_collectives: global shapes, placements on every value, no collective; and
+    its requirements point at its own nodes."""
+    partitioned = partitioner.partition(tiny_h3(), {"tp": 2, "ulysses": 2}, ((), h3_inputs(TINY_H3)))
+    planned = partitioned.planned_graph
+    nodes = set(planned.graph.nodes)
+    assert not nodes & set(partitioned.graph_module.graph.nodes)
+    for node in planned.graph.nodes:
+        assert "collective" not in node.meta
+        assert set(node.meta["placements"]) == {"tp", "ulysses"}
+        for requirements in node.meta.get("required", {}).values():
+            assert set(requirements) <= nodes
+    weight = next(n for n in planned.graph.nodes if n.name == "p_transformer_blocks_0_ff_net_0_proj_weight")
+    assert tuple(weight.meta["val"].shape) == (2 * TINY_H3["ffn_dim"], TINY_H3["hidden_size"])  # global shape
