@@ -143,7 +143,7 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
-              backend_checks: str | None = None) -> Partitioned:
+              backend_checks: str | dict | None = None) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
@@ -152,25 +152,29 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
     for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``).
     ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
-    ``NeuronLegalityError`` lists every problem with its fix).
+    ``NeuronLegalityError`` lists every problem with its fix); ``{"neuron": {"pad_sequence": True}}`` checks it as
+    ``compile(backend="neuron", pad_sequence=True)`` will build it.
     """
     spec = as_mesh_spec(mesh, rank)
     traced = trace(model, example_inputs)
     _compute_meta_buffers(model, traced)
     partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
     if backend_checks is not None:
-        # "neuron", or {"neuron": options of compile(backend="neuron")} such as {"pad_sequence": True}
-        name, options = (backend_checks, {}) if isinstance(backend_checks, str) else next(iter(backend_checks.items()))
-        if name != "neuron" or not isinstance(backend_checks, str) and len(backend_checks) != 1:
-            raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks")
-        from .passes import PIPELINE
-
-        options = dict(options)
-        legal = backends.neuron.legalize(partitioned.graph_module, pad_sequence=options.pop("pad_sequence", False))
-        Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"), len(PIPELINE) + 1, partitioned.graph_module)(
-            "neuron_legalize", legal, partitioned.ctx)  # the graph the checks see, after the passes' dumps
-        backends.neuron.require_legal(legal, spec, **options)
+        _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
     return partitioned
+
+
+def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
+    """``backend_checks``: "neuron", or {"neuron": options of compile(backend="neuron")} such as
+    ``{"pad_sequence": True}``. The legalized graph the checks see is dumped after the passes' graphs."""
+    name, options = (backend_checks, {}) if isinstance(backend_checks, str) else next(iter(backend_checks.items()))
+    if name != "neuron" or (isinstance(backend_checks, dict) and len(backend_checks) != 1):
+        raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks, e.g. "
+                         "backend_checks='neuron' or {'neuron': {'pad_sequence': True}}")
+    options = dict(options)
+    legal = backends.neuron.legalize(partitioned.graph_module, pad_sequence=options.pop("pad_sequence", False))
+    Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)("neuron_legalize", legal, partitioned.ctx)
+    backends.neuron.require_legal(legal, partitioned.mesh, **options)
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,

@@ -5,6 +5,7 @@ Files, numbered in pass order (``00_export`` is the traced graph):
     NN_<pass>.txt       node count, collectives by kind, per-rank parameter bytes
     NN_<pass>.diff      unified diff of the code against the previous pass
     NN_hoist_host.prologue.py   the host (CPU) prologue, when the model has data-dependent ops
+    NN_neuron_legalize.*  the graph Neuron's checks see (partition(..., backend_checks="neuron"))
 """
 
 from __future__ import annotations
@@ -60,12 +61,14 @@ def summary(gm: GraphModule, ctx: PassContext) -> str:
 
 
 class Dumper:
-    """Writes one set of files per pass into ``directory``; does nothing when ``directory`` is None."""
+    """Writes one set of files per pass into ``directory``; does nothing when ``directory`` is None. ``index`` and
+    ``previous`` continue an earlier dump (a backend's legalisation after the passes): the next files' number, and
+    the graph they are diffed against."""
 
-    def __init__(self, directory: str | Path | None):
+    def __init__(self, directory: str | Path | None, index: int = 0, previous: GraphModule | None = None):
         self.directory = Path(directory) if directory else None
-        self.previous = ""
-        self.index = 0
+        self.previous = graph_code(previous) if previous is not None and self.directory else ""
+        self.index = index
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import partitioner
 from partitioner.backends import neuron
 from partitioner.backends.neuron import NeuronLegalityError
-from partitioner.testing import full_h3_on_meta, h3_inputs
+from partitioner.passes import narrow_indices
+from partitioner.runtime import InputError
+from partitioner.testing import TINY_H3, full_h3_on_meta, h3_inputs, run_ranks, tiny_h3
 
 
 def full_h3(rows: int):
@@ -103,7 +109,154 @@ def test_copies_to_the_cpu_are_refused():
 
 
 def test_legal_graph_without_torch_neuronx_says_so():
-    """Legalisation runs first; then the missing torch-neuronx is named, not a deep ImportError."""
+    """Legalisation runs first; then the missing torch-neuronx is named, not a deep ImportError. 300 rows pass
+    once padded."""
     partitioned = partitioner.partition(Attention().eval(), {"tp": 2}, ((), {"x": torch.randn(1, 512, 128)}))
     with pytest.raises(RuntimeError, match="passed every Neuron check, but torch-neuronx is not installed"):
         neuron.lower(partitioned.graph_module, mesh=partitioned.mesh)
+    partitioned = partitioner.partition(Attention().eval(), {"tp": 2}, ((), {"x": torch.randn(1, 300, 128)}))
+    with pytest.raises(NeuronLegalityError, match="packed length 300 is not a multiple of 512"):
+        neuron.lower(partitioned.graph_module, mesh=partitioned.mesh)
+    with pytest.raises(RuntimeError, match="passed every Neuron check, but torch-neuronx is not installed"):
+        neuron.lower(partitioned.graph_module, mesh=partitioned.mesh, pad_sequence=True)
+
+
+# --- legalisation: int64 indices narrowed to int32, attention padded exactly to multiples of 512 ---
+
+class Lookup(nn.Module):
+    def forward(self, table, rows, picks, tags):
+        positions = torch.arange(4)  # only an index: int32
+        shifted = table.index_select(0, tags * 2**20 % 5)  # arithmetic: tags stays int64
+        return table[positions] + table.index_select(0, rows[:4]) + table.gather(0, picks) + shifted[:4]
+
+
+def _lookup_inputs(rows=(4, 0, 2, 1, 3)):
+    table = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    return table, torch.tensor(rows), torch.tensor([[1], [0], [4], [2]]).expand(4, 3), torch.tensor([0, 1, 3, 2])
+
+
+def test_index_narrowing_rules():
+    """Inputs and aranges used only as indices become int32 (through slices); values from arithmetic and gather
+    indices stay int64; the narrowed graph gives identical results, and an input outside int32 is named."""
+    gm = partitioner.partition(Lookup(), {"tp": 1}, (_lookup_inputs(), {})).graph_module
+    legal = neuron.legalize(gm)
+    dtypes = {n.name: n.meta["val"].dtype for n in legal.graph.nodes if n.op == "placeholder" or "arange" in n.name}
+    assert dtypes == dict(table=torch.float32, rows=torch.int32, picks=torch.int64, tags=torch.int64,
+                          arange=torch.int32)
+    assert [n.meta["val"].dtype for n in gm.graph.nodes if n.name == "rows"] == [torch.int64]  # gm untouched
+    run = narrow_indices.cast_inputs(legal, legal)
+    assert torch.equal(run(*_lookup_inputs())[0], gm(*_lookup_inputs())[0])
+    with pytest.raises(InputError, match=r"rows holds values in \[0, 2147483648\], outside int32"):
+        run(*_lookup_inputs(rows=(4, 0, 2, 1, 2**31)))
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-rank gloo mesh, and torch-neuronx stood in for by torch.compile running the legalised graph as is."""
+    import diffusers  # noqa: F401 (before the stand-in: diffusers probes for torch_neuronx when imported)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+    monkeypatch.setattr(torch, "compile", lambda gm, backend: gm)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    dist.destroy_process_group()
+
+
+def test_narrowed_tiny_h3_is_exact(one_rank):
+    """H3's video, audio and text indices (index_select, and the index_copy building the packed sequence, which
+    becomes index_put) run as int32: bit-identical outputs. timestep_indices * 3 + token_tags stays int64."""
+    model = tiny_h3()
+    inputs = h3_inputs(TINY_H3, text=512, video=500, audio=12)  # 1024 rows: legal without padding
+    partitioned = partitioner.partition(model, one_rank, ((), inputs))
+    expected = partitioned.compile()(**inputs, return_dict=False)
+    actual = partitioned.compile(backend="neuron")(**inputs, return_dict=False)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    legal = neuron.legalize(partitioned.graph_module)
+    assert [n.name for n in legal.graph.nodes if "narrowed_from" in n.meta] == \
+        ["video_indices", "audio_indices", "text_indices"]
+    bad = dict(inputs, audio_indices=inputs["audio_indices"] + 2**32)
+    with pytest.raises(InputError, match=r"audio_indices holds values in \[\d+, \d+\], outside int32"):
+        partitioned.compile(backend="neuron")(**bad)
+
+
+def _drop_normalisation(gm, backend):
+    """A negative control standing in for the device compiler: o1 / o2 replaced by o1."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.div.Tensor and "padded_attention" in node.meta:
+            node.replace_all_uses_with(node.args[0])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _padded_h3(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)  # 23 packed rows, 5 text rows
+    sys.modules["torch_neuronx"] = types.ModuleType("torch_neuronx")  # after diffusers' import probes for it
+    partitioned = partitioner.partition(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ulysses",)),
+                                        ((), inputs))
+    legal = neuron.legalize(partitioned.graph_module, pad_sequence=True)
+    results = dict(expected=partitioned.compile()(**inputs, return_dict=False),
+                   problems=(neuron.check(partitioned.graph_module, partitioned.mesh),
+                             neuron.check(legal, partitioned.mesh)))
+    for name, compiler in (("padded", lambda gm, backend: gm), ("dropped", _drop_normalisation)):
+        torch.compile = compiler
+        results[name] = partitioned.compile(backend="neuron", pad_sequence=True)(**inputs, return_dict=False)
+    return results
+
+
+def test_padded_attention_is_exact_on_tiny_h3():
+    """Ulysses=4 on gloo (the all-to-all size Neuron takes): every attention padded to 512 rows (23 packed, 5 text)
+    matches the unpadded graph, and the padded graph has no sequence-length problem left.
+
+    Tolerance 1e-5 absolute on outputs of magnitude ~1: o1 and o2 are softmax averages over the same padded keys,
+    each within a few float32 ulps, and their ratio adds one rounding; measured 2.4e-7. Negative control: without
+    the division by o2 the padded keys' share of the softmax (489 of 512 rows) stays: measured 4e-2."""
+    for result in run_ranks(4, _padded_h3):
+        for actual, expected in zip(result["padded"], result["expected"]):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        assert (result["dropped"][0] - result["expected"][0]).abs().max() > 1e-2
+        before, after = result["problems"]
+        assert len(before) == 3 and all("not a multiple of 512" in p for p in before)
+        assert after == []
+
+
+class Sdpa(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_padding_copies_a_key_so_very_negative_scores_stay_exact():
+    """Every score -400 (10 x -10 x 16 channels / sqrt(16)): padding with zero keys (score 0) would leave
+    exp(-400) = 0 in o1 and o2 and a NaN ratio; copies of a real key share the real maximum and keep o2 >= 1/(1+P).
+    Queries and keys of different lengths (7 and 300). Measured error 4e-8."""
+    q, k, v = torch.full((1, 2, 7, 16), 10.0), torch.full((1, 2, 300, 16), -10.0), torch.randn(1, 2, 300, 16)
+    gm = partitioner.partition(Sdpa(), {"tp": 1}, ((q, k, v), {})).graph_module
+    legal = neuron.legalize(gm, pad_sequence=True)
+    torch.testing.assert_close(legal(q, k, v)[0], gm(q, k, v)[0], rtol=0, atol=1e-5)
+    pad = lambda x: F.pad(x, (0, 0, 0, 512 - x.shape[-2]))  # noqa: E731
+    zero_keys = F.scaled_dot_product_attention(pad(q), pad(k), pad(v)) / \
+        F.scaled_dot_product_attention(pad(q), pad(k), pad(torch.ones_like(v)))
+    assert zero_keys[..., :7, :].isnan().all()
+
+
+def test_offline_checks_with_padding_and_dump(tmp_path):
+    """backend_checks={"neuron": {"pad_sequence": True}} passes where plain checks fail on the length, and the
+    legalised graph is dumped after the passes as 07_neuron_legalize, diffed against 06_localize."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    with pytest.raises(NeuronLegalityError, match="packed length 23 is not a multiple of 512"):
+        partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks="neuron")
+    partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks={"neuron": {"pad_sequence": True}},
+                          dump_dir=tmp_path)
+    code, diff = (tmp_path / "07_neuron_legalize.py").read_text(), (tmp_path / "07_neuron_legalize.diff").read_text()
+    assert "aten.constant_pad_nd" in code and "aten.index_put" in code and 'video_indices: "i32[12]"' in code
+    assert "+++ 07_neuron_legalize" in diff and (tmp_path / "06_localize.py").exists()
+
+
+def test_full_size_h3_padded_checks():
+    """37900 rows: padded to 38400 per attention, the full-size graph passes every rule."""
+    model, inputs = full_h3(37900)
+    partitioner.partition(model, {"tp": 8, "ulysses": 4}, ((), inputs), rank=0,
+                          backend_checks={"neuron": {"pad_sequence": True}})

@@ -34,9 +34,10 @@ def test_placements_become_partition_specs_in_mesh_order():
     assert partition_spec({"tp": Shard(1), "ulysses": Shard(1)}, 4, AXES) == (None, ("tp", "ulysses"), None, None)
     assert partition_spec({"tp": Shard(-1), "ulysses": Replicate()}, 3, AXES) == (None, None, "tp")
     assert partition_spec({"tp": Partial(), "ulysses": Replicate()}, 2, AXES) is None  # XLA cannot say Partial
-    # a packed [value; gate] dim held as [..., 2, rows]: tp shards rows, later dims move one to the right
-    assert packed_spec({"tp": PackedShard(0, (96, 96)), "ulysses": Replicate()}, 2, AXES) == (None, "tp", None)
-    assert packed_spec({"tp": PackedShard(2, (96, 96)), "ulysses": Shard(1)}, 3, AXES) == (None, "ulysses", None, "tp")
+    # a packed value's dim is held rank-major as [ranks, rows]: tp shards the rank dim, later dims shift right
+    assert packed_spec({"tp": PackedShard(0, (96, 96)), "ulysses": Replicate()}, 2, AXES) == ("tp", None, None)
+    assert packed_spec({"tp": PackedShard(1, (64, 256)), "ulysses": Shard(2)}, 3, AXES) == (None, "tp", None,
+                                                                                          "ulysses")
 
 
 def test_hlo_collectives_are_read_with_their_groups():

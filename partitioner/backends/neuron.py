@@ -12,7 +12,12 @@ Trainium host. The rules (from torch-neuronx's documented behaviour and what was
 - no copy to the CPU inside the device graph (Neuron ops refuse non-scalar CPU tensors): data-dependent work runs
   in the host prologue, whose results are explicit transfers, and ops that create tensors are pointed at the rank's
   device when compiling.
-Not yet: narrowing int64 index inputs to int32, and padding the packed sequence to a multiple of 512 exactly.
+
+Before checking, ``legalize`` rewrites a copy of the graph as Neuron wants it (``passes/narrow_indices.py``,
+``passes/pad_attention.py``):
+- int64 tensors used only as indices become int32; graph inputs among them are range-checked and cast at each call;
+- with ``pad_sequence=True``, every attention whose query or key length is not a multiple of 512 is padded to one,
+  exactly (no mask: padded keys are normalised out by a second attention, so attention costs twice as much).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from torch.fx import GraphModule
 
 from .. import collectives
+from ..passes import narrow_indices, pad_attention
+from ..trace import copy_graph_module
 
 _COLLECTIVES = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -90,7 +97,8 @@ def _attention_problems(node, text_rows: int | None) -> list[str]:
     for name, length in (("query", q.shape[-2]), ("key", k.shape[-2])):
         if length % BLOCK:
             problems.append(f"{where}: {name} {sequence_length_advice(length, text_rows)}; otherwise the NKI flash "
-                            "kernel is not used and the whole score matrix is materialised")
+                            "kernel is not used and the whole score matrix is materialised (or pad_sequence=True "
+                            "pads it exactly, at twice the attention cost)")
             break
     if q.shape[-1] > MAX_HEAD_DIM:
         problems.append(f"{where}: head_dim {q.shape[-1]} > {MAX_HEAD_DIM}: the flash kernel is not used")
@@ -103,14 +111,23 @@ def _attention_problems(node, text_rows: int | None) -> list[str]:
     return problems
 
 
+def legalize(gm: GraphModule, *, pad_sequence: bool = False) -> GraphModule:
+    """A copy of this rank's graph rewritten as Neuron wants it: int64 indices narrowed to int32 where they provably
+    fit, and with ``pad_sequence`` attention lengths padded exactly to multiples of 512. ``gm`` is left as it is."""
+    gm = narrow_indices.run(copy_graph_module(gm))
+    return pad_attention.run(gm, BLOCK) if pad_sequence else gm
+
+
 def require_legal(gm: GraphModule, mesh, text_rows: int | None = None) -> None:
     problems = check(gm, mesh, text_rows)
     if problems:
         raise NeuronLegalityError("this rank's graph would fail or fall back on Neuron:\n  " + "\n  ".join(problems))
 
 
-def lower(gm: GraphModule, *, mesh, text_rows: int | None = None):
-    """Check the rules, then compile with torch-neuronx (only on a host that has it)."""
+def lower(gm: GraphModule, *, mesh, text_rows: int | None = None, pad_sequence: bool = False):
+    """Legalize, check the rules, then compile with torch-neuronx (only on a host that has it). The callable takes
+    the graph's inputs as they were (int64 indices included)."""
+    gm = legalize(gm, pad_sequence=pad_sequence)
     require_legal(gm, mesh, text_rows)
     try:
         import torch_neuronx  # noqa: F401
@@ -118,4 +135,4 @@ def lower(gm: GraphModule, *, mesh, text_rows: int | None = None):
         raise RuntimeError("the graph passed every Neuron check, but torch-neuronx is not installed here; compile "
                            "on a Trainium host with torch-neuronx, or use partition(..., backend_checks='neuron') "
                            "to check layouts offline") from None
-    return torch.compile(gm, backend="neuron")
+    return narrow_indices.cast_inputs(torch.compile(gm, backend="neuron"), gm)

@@ -13,11 +13,12 @@ before ``insert_collectives``) and the model's full tensors. It interprets the g
   all-to-all, Partial -> Replicate its all-reduce, Shard -> Replicate its all-gather, Replicate -> Shard a local
   slice.
 
-Packed projections (SwiGLU's ``[value; gate]`` in one Linear, a ``PackedShard``) cannot be a tile sharding of the
-fused dim: each rank holds a slice of each block, which is not one contiguous range. Annotated naively, XLA
-re-lays the halves out with extra all-reduces and collective-permutes. Here the fused weight is reshaped on the host
-to ``[blocks, rows, ...]`` and sharded on ``rows``; the Linear becomes an einsum giving ``[..., blocks, rows]``, and
-the ``chunk`` that splits the halves becomes ``select``: the HLO then has exactly the plan's collectives.
+Packed values (a ``PackedShard``: SwiGLU's ``[value; gate]`` in one Linear, Flux's ``cat([attention, mlp])``
+before a row-wise Linear) cannot be a tile sharding of the fused dim: each rank holds a slice of each block, which
+is not one contiguous range. Annotated naively, XLA re-lays the halves out with collective-permutes. Here a packed
+value is held as its blocks, separate tensors each sharded on its own: a fused weight is split on the host, a
+packed Linear computes one einsum per block, the ``chunk`` into halves returns the blocks and a packing ``cat``
+keeps its inputs: the HLO then has exactly the plan's collectives.
 
 Linear and attention are written as einsums: ``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims
 into one, which merges a sharded dim with an unsharded one and makes XLA reshard.
@@ -62,7 +63,7 @@ def _torch_xla():
         raise XlaBackendError(
             f"backend='xla' needs torch_xla, which is not importable here ({error}). torch_xla 2.9 needs exactly "
             f"torch==2.9.0 (this is torch {torch.__version__}): use a separate virtual environment, e.g. "
-            "`make .venv-xla` (see README, XLA SPMD)") from error
+            "`make test` creates .venv-xla (see README, XLA SPMD)") from error
     return torch_xla, xs, xr
 
 
@@ -84,42 +85,55 @@ def partition_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> t
 
 
 def packed_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> tuple | None:
-    """The spec of a packed value held as ``[..., blocks, rows, ...]`` (one more dim than the fused value): the
-    packed axis shards ``rows``, the other axes keep their dims (shifted past the new one)."""
-    packed = [p for p in placements.values() if isinstance(p, PackedShard)]
-    fused = packed[0].dim % ndim
-    unpacked = {}
+    """The spec of a packed value in its rank-major layout (one more dim than the value, see ``Packed``): the
+    packed axis shards the new rank dim, the other axes keep their dims (shifted past it)."""
+    fused = _packed_placement(placements).dim % ndim
+    moved = {}
     for axis, placement in placements.items():
         if isinstance(placement, PackedShard):
-            unpacked[axis] = Shard(fused + 1)
+            moved[axis] = Shard(fused)
         elif isinstance(placement, Shard) and placement.dim % ndim > fused:
-            unpacked[axis] = Shard(placement.dim % ndim + 1)
+            moved[axis] = Shard(placement.dim % ndim + 1)
         else:
-            unpacked[axis] = placement
-    return partition_spec(unpacked, ndim + 1, mesh_axes)
+            moved[axis] = placement
+    return partition_spec(moved, ndim + 1, mesh_axes)
 
 
 @dataclass
 class Packed:
-    """A value of a packed placement, held as ``[..., blocks, rows, ...]`` with the blocks at ``dim``."""
+    """A value of a ``PackedShard`` placement in its rank-major layout: the packed dim ``dim`` of global size
+    ``sum(blocks)`` is held as ``[ranks, sum(blocks) // ranks]``, rank ``r`` holding its slice of every block, in
+    block order. Sharded on the rank dim, this is exactly what each rank holds, so XLA needs no data movement for a
+    Linear that makes it or consumes it (one contraction, one all-reduce), nor for splitting it into blocks."""
     tensor: torch.Tensor
     dim: int
+    blocks: tuple[int, ...]
+
+    @staticmethod
+    def from_blocks(tensors, dim: int, ranks: int) -> "Packed":
+        pieces = [t.unflatten(dim, (ranks, t.shape[dim] // ranks)) for t in tensors]
+        return Packed(torch.cat(pieces, dim + 1), dim, tuple(t.shape[dim] for t in tensors))
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor.shape[self.dim]
+
+    def split(self) -> tuple[torch.Tensor, ...]:
+        """The blocks, each sharded on ``dim``: a slice of the unsharded dim, then a merge of the rank dim."""
+        pieces = self.tensor.split([size // self.ranks for size in self.blocks], self.dim + 1)
+        return tuple(piece.flatten(self.dim, self.dim + 1) for piece in pieces)
 
     def fused(self) -> torch.Tensor:
-        return self.tensor.flatten(self.dim, self.dim + 1)
-
-
-def _pack(tensor: torch.Tensor, placement: PackedShard) -> Packed:
-    dim = placement.dim % tensor.dim()
-    if len(set(placement.blocks)) != 1:
-        raise XlaBackendError(f"packed blocks of unequal sizes {list(placement.blocks)} are not supported by the "
-                              "XLA backend")
-    blocks = len(placement.blocks)
-    return Packed(tensor.unflatten(dim, (blocks, tensor.shape[dim] // blocks)), dim)
+        """The value in its global layout (XLA moves data to build it: only where the plan has no packed rule)."""
+        return torch.cat(self.split(), self.dim)
 
 
 def _packed_placement(placements: dict) -> PackedShard | None:
     return next((p for p in placements.values() if isinstance(p, PackedShard)), None)
+
+
+def _fused(value):
+    return value.fused() if isinstance(value, Packed) else value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,15 +141,18 @@ def _packed_placement(placements: dict) -> PackedShard | None:
 
 
 def _linear(x, weight, bias=None):
-    """``aten.linear`` as an einsum over the last dim (no batch flattening); a packed weight gives a packed value."""
-    if isinstance(x, Packed):
-        x = x.fused()
-    if isinstance(weight, Packed):  # weight [blocks, rows, in] -> out [..., blocks, rows]
-        out = torch.einsum("...i,bri->...br", x, weight.tensor)
-        if bias is not None:
-            out = out + bias.tensor
-        return Packed(out, out.dim() - 2)
-    out = torch.einsum("...i,oi->...o", x, weight)
+    """``aten.linear`` as an einsum over the last dim (no batch flattening). A weight packed on its rows gives a
+    packed output; one packed on its input features contracts a packed input over both of its dims at once."""
+    if isinstance(weight, Packed) and weight.dim == 0:  # [ranks, rows, in]
+        out = torch.einsum("...i,rmi->...rm", _fused(x), weight.tensor)
+        packed = Packed(out + bias.tensor if bias is not None else out, out.dim() - 2, weight.blocks)
+        return packed
+    if isinstance(weight, Packed):  # [out, ranks, m]
+        if not isinstance(x, Packed):
+            x = Packed.from_blocks(x.split(list(weight.blocks), -1), x.dim() - 1, weight.ranks)
+        out = torch.einsum("...rm,orm->...o", x.tensor, weight.tensor)
+    else:
+        out = torch.einsum("...i,oi->...o", _fused(x), weight)
     return out if bias is None else out + bias
 
 
@@ -150,28 +167,37 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale
 
 
 def _split_packed(target, value: Packed, args, kwargs):
-    """A chunk/split of a packed value exactly into its blocks is a ``select`` on the block dim: no data moves.
-    None for any other split (the caller then splits the fused value)."""
-    blocks, rows = value.tensor.shape[value.dim], value.tensor.shape[value.dim + 1]
+    """A chunk/split of a packed value exactly into its blocks: no data moves. None for any other split (the caller
+    then splits the fused value)."""
+    sizes = list(value.blocks)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % (value.tensor.dim() - 1)
     pieces = args[1]
     if target is aten.chunk.default:
-        into_blocks = pieces == blocks
+        into_blocks = pieces == len(sizes) and len(set(sizes)) == 1
     elif target is aten.split.Tensor:
-        into_blocks = pieces == rows
+        into_blocks = all(size == pieces for size in sizes)
     else:
-        into_blocks = list(pieces) == [rows] * blocks
-    if dim != value.dim or not into_blocks:
+        into_blocks = list(pieces) == sizes
+    return value.split() if dim == value.dim and into_blocks else None
+
+
+def _cat_as_packed(tensors, dim: int, placement: PackedShard | None, ranks: int) -> Packed | None:
+    """A cat whose result the plan packs (Flux: ``cat([attention, mlp])`` before a row-wise Linear): its inputs
+    become the blocks."""
+    if placement is None or any(isinstance(t, Packed) for t in tensors):
         return None
-    return tuple(value.tensor.select(value.dim, index) for index in range(blocks))
+    dim %= tensors[0].dim()
+    if placement.dim % tensors[0].dim() != dim or [t.shape[dim] for t in tensors] != list(placement.blocks):
+        return None
+    return Packed.from_blocks(tensors, dim, ranks)
 
 
 class _Annotator(Interpreter):
     """Runs the planned graph on XLA tensors, annotating every value and every redistributed edge."""
 
-    def __init__(self, gm: GraphModule, xs, xla_mesh, mesh_axes: tuple[str, ...]):
+    def __init__(self, gm: GraphModule, xs, xla_mesh, mesh):
         super().__init__(gm)
-        self.xs, self.xla_mesh, self.mesh_axes = xs, xla_mesh, mesh_axes
+        self.xs, self.xla_mesh, self.mesh, self.mesh_axes = xs, xla_mesh, mesh, mesh.axis_names
         self.views: dict[tuple[Node, tuple], object] = {}
 
     def _annotate(self, value, placements: dict, *, mark: bool = False):
@@ -216,10 +242,20 @@ class _Annotator(Interpreter):
         if node.op != "call_function":
             return super().run_node(node)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._input(p, node))
-        value = self._call(node.target, args, kwargs)
+        value = self._call(node, args, kwargs)
         return self._annotate(value, node.meta.get("placements", {}))
 
-    def _call(self, target, args, kwargs):
+    def _ranks(self, placements: dict) -> int:
+        return math.prod(self.mesh.size(axis) for axis, p in placements.items() if isinstance(p, PackedShard))
+
+    def _call(self, node: Node, args, kwargs):
+        target = node.target
+        if target is aten.cat.default:
+            placements = node.meta.get("placements", {})
+            packed = _cat_as_packed(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0),
+                                    _packed_placement(placements), self._ranks(placements))
+            if packed is not None:
+                return packed
         if target is aten.linear.default:
             return _linear(*args, **kwargs)
         if target is aten.scaled_dot_product_attention.default:
@@ -228,11 +264,11 @@ class _Annotator(Interpreter):
             pieces = _split_packed(target, args[0], args, kwargs)
             if pieces is not None:
                 return pieces
-        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), lambda a: a.fused() if isinstance(a, Packed) else a)
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fused)
         return target(*args, **kwargs)
 
     def output(self, target, args, kwargs):
-        return torch.fx.node.map_aggregate(args[0], lambda a: a.fused() if isinstance(a, Packed) else a)
+        return torch.fx.node.map_aggregate(args[0], _fused)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,17 +401,22 @@ class XlaProgram:
         if not isinstance(value, torch.Tensor):
             return value
         packed = _packed_placement(node.meta.get("placements", {}))
-        if packed is not None:  # reshaped on the host, so the device never holds the fused layout
-            host = _pack(value, packed)
-            return Packed(host.tensor.to(self.device), host.dim)
+        if packed is not None:  # laid out rank-major on the host, so the device never holds the fused layout
+            dim, ranks = packed.dim % value.dim(), self.mesh.size(self._packed_axis(node))
+            host = Packed.from_blocks(value.split(list(packed.blocks), dim), dim, ranks)
+            return Packed(host.tensor.to(self.device), dim, host.blocks)
         return value.to(self.device)
+
+    @staticmethod
+    def _packed_axis(node: Node) -> str:
+        return next(axis for axis, p in node.meta["placements"].items() if isinstance(p, PackedShard))
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.placeholders):
             raise XlaBackendError(f"expected {len(self.placeholders)} inputs, got {len(inputs)}")
         before = self._dumped() if self._verifying() else set()
         args = [self._to_device(value, node) for value, node in zip(inputs, self.placeholders)]
-        annotator = _Annotator(self.gm, self.xs, self.xla_mesh, self.mesh.axis_names)
+        annotator = _Annotator(self.gm, self.xs, self.xla_mesh, self.mesh)
         outputs = annotator.run(*args)
         del annotator, args
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
