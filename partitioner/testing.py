@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -26,6 +25,25 @@ def tiny_h3(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     return MiniMaxH3Transformer3DModel(**{**TINY_H3, **overrides}).eval()
+
+
+def tiny_flux(seed: int = 0):
+    """A small Flux (MMDiT: one double-stream and one single-stream block; 4 heads x 16), random weights."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                  pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
+
+
+def flux_inputs(seed: int = 1) -> dict:
+    """16 image rows and 8 text rows (a joint sequence of 24)."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, 16, 8, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+                pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+                img_ids=torch.randn(16, 3, generator=g), txt_ids=torch.randn(8, 3, generator=g))
 
 
 def h3_inputs(config: dict, *, text: int = 5, video: int = 12, audio: int = 6, timesteps: int = 2, seed: int = 1,
@@ -51,16 +69,12 @@ def h3_inputs(config: dict, *, text: int = 5, video: int = 12, audio: int = 6, t
 
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
+    # Rendezvous through a file, not a TCP port: no race for a free port between parallel tests. Gloo's own
+    # connections use loopback ports the OS assigns.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": result}, Path(out_dir) / f"{rank}.pt")
@@ -76,7 +90,7 @@ def run_ranks(world: int, fn, *args) -> list:
     ``fn`` must be importable (a module-level function)."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_worker, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+            mp.start_processes(_worker, args=(world, out_dir, fn, args), nprocs=world,
                                start_method="spawn", join=True)
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback is reported below

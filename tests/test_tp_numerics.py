@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 # Removing this all_reduce leaves the last block's attention output as a per-rank partial sum.
@@ -58,16 +58,8 @@ def _h3_case(world: int, *, plan=None, drop: str | None = None) -> dict:
 def _flux_case(world: int) -> dict:
     """A second diffusers transformer (MMDiT double + single-stream blocks), planned from structure alone."""
     import partitioner
-    from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
-                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
-    g = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 16, 8, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-                  pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
-                  img_ids=torch.randn(16, 3, generator=g), txt_ids=torch.randn(8, 3, generator=g))
+    model, inputs = tiny_flux(), flux_inputs()
     with torch.no_grad():
         expected = model(**inputs).sample
     partitioned = partitioner.partition(model, _mesh(world), ((), inputs))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from partitioner import collectives
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 HEADS = 6
@@ -48,9 +48,24 @@ def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
                 sharded_at=partitioned.ctx.sequence_sharded_at)
 
 
+def _flux(shape, names) -> dict:
+    """Flux: the double-stream block splits its joint sequence into text and image rows after attention, which a
+    sequence shard cannot carry into the next attention; the single-stream block's attention is sequence-sharded."""
+    import partitioner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, inputs = tiny_flux(), flux_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
+    return dict(expected=expected, actual=partitioned.compile()(**inputs).sample, report=partitioned.report(),
+                stopped=partitioned.ctx.sequence_stopped)
+
+
 def _cases(rank: int, world: int, layout: str) -> dict:
     shape, names = LAYOUTS[layout]
-    return dict(plain=_run(rank, world, shape, names, False), dropped=_run(rank, world, shape, names, True))
+    return dict(plain=_run(rank, world, shape, names, False), dropped=_run(rank, world, shape, names, True),
+                flux=_flux(shape, names))
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -64,6 +79,14 @@ def test_every_rank_matches_single_device(layout):
     for cases in layout[1]:
         for actual, expected in zip(cases["plain"]["actual"], cases["plain"]["expected"]):
             torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_flux_matches_single_device(layout):
+    for cases in layout[1]:
+        flux = cases["flux"]
+        torch.testing.assert_close(flux["actual"], flux["expected"], **TOLERANCE)
+        assert flux["report"].count("all_to_all") == 4  # the single-stream block's attention
+        assert any("rows along the sharded sequence" in why for why in flux["stopped"].values())
 
 
 def test_without_one_exchange_fails(layout):

@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 
 import partitioner
 from partitioner.backends.xla import XlaBackendError, axis_of, compare, hlo_collectives, packed_spec, partition_spec
@@ -101,3 +102,32 @@ def test_planned_graph_is_the_global_plan_and_independent_of_the_rank_graph():
             assert set(requirements) <= nodes
     weight = next(n for n in planned.graph.nodes if n.name == "p_transformer_blocks_0_ff_net_0_proj_weight")
     assert tuple(weight.meta["val"].shape) == (2 * TINY_H3["ffn_dim"], TINY_H3["hidden_size"])  # global shape
+
+
+def test_packed_values_are_held_rank_major():
+    """A packed value's rank-major layout is what each rank holds (its slice of every block, in block order), and
+    the Linear rules on it compute what the fused Linear does."""
+    from partitioner.backends.xla import Packed, _linear, _split_packed
+
+    value, gate = torch.randn(3, 8), torch.randn(3, 4)  # unequal blocks, as Flux's cat([attention, mlp])
+    packed = Packed.from_blocks((value, gate), dim=1, ranks=2)
+    assert packed.tensor.shape == (3, 2, 6)
+    for rank in range(2):
+        expected = torch.cat([value[:, 4 * rank:4 * rank + 4], gate[:, 2 * rank:2 * rank + 2]], dim=1)
+        torch.testing.assert_close(packed.tensor[:, rank], expected, rtol=0, atol=0)
+    torch.testing.assert_close(packed.fused(), torch.cat([value, gate], 1), rtol=0, atol=0)
+    pieces = _split_packed(torch.ops.aten.split_with_sizes.default, packed, (packed, [8, 4], 1), {})
+    assert all(torch.equal(a, b) for a, b in zip(pieces, (value, gate), strict=True))
+    assert _split_packed(torch.ops.aten.split_with_sizes.default, packed, (packed, [6, 6], 1), {}) is None
+
+    x, weight, bias = torch.randn(5, 12), torch.randn(12, 12), torch.randn(12)  # SwiGLU: rows packed [6, 6]
+    rows = Packed.from_blocks(weight.split([6, 6], 0), dim=0, ranks=2)
+    rows_bias = Packed.from_blocks(bias.split([6, 6], 0), dim=0, ranks=2)
+    out = _linear(x, rows, rows_bias)
+    torch.testing.assert_close(out.fused(), torch.nn.functional.linear(x, weight, bias))
+    halves = _split_packed(torch.ops.aten.chunk.default, out, (out, 2, -1), {})
+    torch.testing.assert_close(torch.cat(halves, -1), torch.nn.functional.linear(x, weight, bias))
+
+    down = torch.randn(7, 12)  # row-wise Linear reading a packed input: one contraction over (ranks, rows)
+    columns = Packed.from_blocks(down.split([8, 4], 1), dim=1, ranks=2)
+    torch.testing.assert_close(_linear(packed, columns), torch.nn.functional.linear(torch.cat([value, gate], 1), down))

@@ -20,8 +20,9 @@ value is held as its blocks, separate tensors each sharded on its own: a fused w
 packed Linear computes one einsum per block, the ``chunk`` into halves returns the blocks and a packing ``cat``
 keeps its inputs: the HLO then has exactly the plan's collectives.
 
-Linear and attention are written as einsums: ``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims
-into one, which merges a sharded dim with an unsharded one and makes XLA reshard.
+Three ops are written out so that XLA keeps their operands sharded: Linear and attention as einsums
+(``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims into one, merging a sharded dim with an
+unsharded one), and layer_norm as reductions over its dims (torch_xla lowers it to batch-norm over the rows).
 """
 
 from __future__ import annotations
@@ -166,6 +167,16 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale
     return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v)
 
 
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    """``layer_norm`` as reductions over its own dims: torch_xla lowers it to batch-norm with the rows as features,
+    which XLA's SPMD partitioner cannot keep sharded (it gathers the rows, then slices them again)."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    centered = x - x.mean(dims, keepdim=True)
+    out = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+    out = out if weight is None else out * weight
+    return out if bias is None else out + bias
+
+
 def _split_packed(target, value: Packed, args, kwargs):
     """A chunk/split of a packed value exactly into its blocks: no data moves. None for any other split (the caller
     then splits the fused value)."""
@@ -260,6 +271,8 @@ class _Annotator(Interpreter):
             return _linear(*args, **kwargs)
         if target is aten.scaled_dot_product_attention.default:
             return _attention(*args, **kwargs)
+        if target is aten.layer_norm.default:
+            return _layer_norm(*args, **kwargs)
         if target in _SPLITS and isinstance(args[0], Packed):
             pieces = _split_packed(target, args[0], args, kwargs)
             if pieces is not None:

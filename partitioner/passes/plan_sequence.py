@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..placement import Partial, Replicate, Shard, any_sharded
-from ..rules import Decision, Unshardable, replicate_all, rule_for, shape_of
+from ..rules import Decision, NeedsPacking, Unshardable, replicate_all, rule_for, shape_of
 
 AXIS = "ulysses"
 R = Replicate()
@@ -73,7 +73,9 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
         else:
             try:
                 decision = rule_for(node, sequence_axis=AXIS)(node, visible, degree)
-            except Unshardable as problem:
+            except (Unshardable, NeedsPacking) as problem:
+                if isinstance(problem, NeedsPacking):  # sequence shards are never packed
+                    problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
                 if node in feeds_attention:
                     implicated = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
                     for seed in implicated:

@@ -11,7 +11,8 @@ import torch
 import partitioner
 from partitioner.backends.xla import CollectiveMismatch, XlaBackendError, axis_of
 from partitioner.placement import PackedShard, Shard
-from partitioner.testing import TINY_H3, H3DenoiseStep, denoise_inputs, h3_inputs, tiny_h3
+from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_inputs, h3_inputs, tiny_flux,
+                                 tiny_h3)
 
 # float32 sums over sharded dims are reordered (per-shard partial sums, then the all-reduce), and attention runs as
 # einsums instead of SDPA's kernel: a few ulps on O(1) outputs; same bound as the gloo tests.
@@ -19,9 +20,24 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 MESHES = {"tp4": {"tp": 4}, "ulysses4": {"ulysses": 4}, "tp2_ulysses2": {"tp": 2, "ulysses": 2}}
 
 
+def _h3():
+    return tiny_h3(), h3_inputs(TINY_H3)
+
+
+def _flux():
+    return tiny_flux(), flux_inputs()
+
+
+MODELS = {"h3": _h3, "flux": _flux}  # Flux: a packed cat([attention, mlp]) of unequal blocks, layer norms
+
+
+def _outputs(result):
+    return (result.sample,) if hasattr(result, "sample") else result
+
+
 @pytest.fixture(scope="module")
 def model_and_reference():
-    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    model, inputs = _h3()
     with torch.no_grad():
         return model, inputs, model(**inputs, return_dict=False)
 
@@ -34,12 +50,15 @@ def _planned_collectives(partitioned) -> Counter:
 
 
 @pytest.mark.parametrize("layout", sorted(MESHES))
-def test_numerics_and_collectives_match_the_plan(model_and_reference, layout):
-    model, inputs, expected = model_and_reference
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_numerics_and_collectives_match_the_plan(name, layout):
+    model, inputs = MODELS[name]()
+    with torch.no_grad():
+        expected = _outputs(model(**inputs))
     partitioned = partitioner.partition(model, MESHES[layout], ((), inputs))
     compiled = partitioned.compile(backend="xla")  # verify=True: raises CollectiveMismatch on any difference
-    actual = compiled(**inputs, return_dict=False)
-    for a, e in zip(actual, expected):
+    actual = _outputs(compiled(**inputs))
+    for a, e in zip(actual, expected, strict=True):
         assert a.device.type == "cpu"
         torch.testing.assert_close(a, e, **TOLERANCE)
     found = compiled.stats.collectives
