@@ -23,10 +23,13 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 	$(XLA_PY) -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: demo test
+.PHONY: demo demo-xla test
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
+
+demo-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) examples/h3_xla_spmd.py
 
 # The whole suite on the newest torch, then again on torch 2.9 with the XLA SPMD tests (4 virtual CPU devices).
 test: $(VENV)/.installed $(XLA_VENV)/.installed

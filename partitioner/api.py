@@ -120,7 +120,7 @@ class Partitioned:
         for c in self.report().collectives:
             planned[(c.kind, c.axis)] += c.count
         lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=planned, verify=verify)
-        state = [self.global_state[gi.target].cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
+        state = [self.global_state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
         return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
 
 

@@ -430,7 +430,8 @@ class XlaProgram:
         before = self._dumped() if self._verifying() else set()
         args = [self._to_device(value, node) for value, node in zip(inputs, self.placeholders)]
         annotator = _Annotator(self.gm, self.xs, self.xla_mesh, self.mesh)
-        outputs = annotator.run(*args)
+        with torch.no_grad():  # an inference graph: no autograd record on the XLA tensors
+            outputs = annotator.run(*args)
         del annotator, args
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         graph_hash = self.torch_xla._XLAC._get_graph_hash(tensors) if self._verifying() else None
