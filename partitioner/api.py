@@ -38,7 +38,8 @@ class Partitioned:
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
         """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
-        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
+        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device). With a
+        mesh given as axis sizes (one process for every device: XLA) the whole tensors are read.
         Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
         Nothing is replaced unless every tensor was found and read."""
         expected, computed = {}, []
@@ -54,8 +55,15 @@ class Partitioned:
             raise CheckpointError(f"non-persistent buffers {on_meta} are on the meta device and no checkpoint holds "
                                   "them (partition computes them only for diffusers models); set them first: "
                                   "partitioned.state[name] = tensor")
-        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
         device = torch.device(device) if device is not None else self.mesh.device
+        if self.global_state is not None:  # one process drives every device (XLA): it reads the whole tensors
+            full = load_shards(path, expected, {}, self.mesh, strict=strict)
+            full.update({name: self.global_state[name] for name in computed})
+            self.global_state = {name: tensor.to(device) for name, tensor in full.items()}
+            names = [gi.target for gi in self.ctx.inputs if gi.is_model_tensor]
+            self.state = shard_state(self.global_state, names, self.slice_specs, self.mesh)
+            return self
+        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
         shards.update({name: self.state[name] for name in computed})
         self.state = {name: tensor.to(device) for name, tensor in shards.items()}
         return self

@@ -25,6 +25,8 @@ ENTRY %main.1_spmd (param: f32[1,6,48]) -> f32[1,6,48] {
   %all-gather.1 = f32[1,24,48]{2,1,0} all-gather(%c), channel_id=7, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={1}
   %collective-permute.7 = f32[2,24]{1,0} collective-permute(%d), channel_id=27, source_target_pairs={{0,2},{1,3}}
   ROOT %all-reduce-start = f32[8]{0} all-reduce-start(%e), replica_groups={{0,1,2,3}}, to_apply=%add
+  %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)
+  %all-gather.2 = f32[4,8]{1,0} all-gather(%f), channel_id=9, replica_groups={}, dimensions={0}
   %fusion = f32[8]{0} fusion(%all-reduce.2), kind=kLoop, calls=%fused
 }
 """
@@ -45,20 +47,22 @@ def test_hlo_collectives_are_read_with_their_groups():
     found = hlo_collectives(HLO)
     assert [(c.name, c.kind) for c in found] == [
         ("all-reduce.2", "all_reduce"), ("all-to-all", "all_to_all"), ("all-gather.1", "all_gather"),
-        ("collective-permute.7", "collective_permute"), ("all-reduce-start", "all_reduce")]
+        ("collective-permute.7", "collective_permute"), ("all-reduce-start", "all_reduce"),
+        ("all-gather.2", "all_gather")]  # an async pair counts once
     assert found[0].groups == ((0, 2), (1, 3))
     assert found[1].groups == ((0, 1), (2, 3))  # iota form [2,2]<=[4]
     assert found[2].groups == ((0, 2), (1, 3))  # iota form, transposed
     assert found[3].groups == ((0, 2), (1, 3))  # source-target pairs
     assert found[1].shape.startswith("(f32[1,1,12,16]")
-    assert [axis_of(c.groups, MESH) for c in (found[0], found[1], found[4])] == ["tp", "ulysses", "all"]
+    assert [axis_of(c.groups, MESH) for c in (found[0], found[1], found[4], found[5])] == ["tp", "ulysses", "all",
+                                                                                         "all"]  # {}: all devices
     assert axis_of(((0, 3), (1, 2)), MESH) == "groups [[0, 3], [1, 2]]"
 
 
 def test_comparison_names_what_differs():
     found = hlo_collectives(HLO)
     planned = Counter({("all_reduce", "tp"): 1, ("all_to_all", "ulysses"): 1, ("all_gather", "ulysses"): 1,
-                       ("all_reduce", "all"): 1})
+                       ("all_reduce", "all"): 1, ("all_gather", "all"): 1})
     problems = compare(found, planned, MESH)
     # all-gather.1's groups are tp's groups written transposed: it is over tp, not ulysses
     assert problems == [
@@ -67,7 +71,7 @@ def test_comparison_names_what_differs():
         "collective_permute over pairs: XLA has 1, the plan 0; XLA's: collective-permute.7 f32[2,24]{1,0} "
         "[[0, 2], [1, 3]]"]
     exact = Counter({("all_reduce", "tp"): 1, ("all_to_all", "ulysses"): 1, ("all_gather", "tp"): 1,
-                     ("collective_permute", "pairs"): 1, ("all_reduce", "all"): 1})
+                     ("collective_permute", "pairs"): 1, ("all_reduce", "all"): 1, ("all_gather", "all"): 1})
     assert compare(found, exact, MESH) == []
 
 

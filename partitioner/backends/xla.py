@@ -45,6 +45,7 @@ from ..trace import copy_graph_module
 
 aten = torch.ops.aten
 _SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default}
 
 
 class XlaBackendError(RuntimeError):
@@ -130,7 +131,15 @@ class Packed:
 
 
 def _packed_placement(placements: dict) -> PackedShard | None:
-    return next((p for p in placements.values() if isinstance(p, PackedShard)), None)
+    packed = [p for p in placements.values() if isinstance(p, PackedShard)]
+    if len(packed) > 1:
+        raise XlaBackendError(f"a value packed over several mesh axes ({placements}) is not supported")
+    return packed[0] if packed else None
+
+
+def _packed_ranks(placements: dict, mesh) -> int:
+    """How many ranks the packed axis has: the rank dim of the layout."""
+    return next(mesh.size(axis) for axis, p in placements.items() if isinstance(p, PackedShard))
 
 
 def _fused(value):
@@ -146,11 +155,13 @@ def _linear(x, weight, bias=None):
     packed output; one packed on its input features contracts a packed input over both of its dims at once."""
     if isinstance(weight, Packed) and weight.dim == 0:  # [ranks, rows, in]
         out = torch.einsum("...i,rmi->...rm", _fused(x), weight.tensor)
-        packed = Packed(out + bias.tensor if bias is not None else out, out.dim() - 2, weight.blocks)
-        return packed
+        return Packed(out if bias is None else out + bias.tensor, out.dim() - 2, weight.blocks)
     if isinstance(weight, Packed):  # [out, ranks, m]
         if not isinstance(x, Packed):
             x = Packed.from_blocks(x.split(list(weight.blocks), -1), x.dim() - 1, weight.ranks)
+        if (x.blocks, x.ranks) != (weight.blocks, weight.ranks):  # else the contraction would pair wrong features
+            raise XlaBackendError(f"a packed input {list(x.blocks)} over {x.ranks} ranks meets a weight packed "
+                                  f"{list(weight.blocks)} over {weight.ranks}")
         out = torch.einsum("...rm,orm->...o", x.tensor, weight.tensor)
     else:
         out = torch.einsum("...i,oi->...o", _fused(x), weight)
@@ -171,8 +182,9 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_ena
     """``layer_norm`` as reductions over its own dims: torch_xla lowers it to batch-norm with the rows as features,
     which XLA's SPMD partitioner cannot keep sharded (it gathers the rows, then slices them again)."""
     dims = tuple(range(-len(normalized_shape), 0))
-    centered = x - x.mean(dims, keepdim=True)
-    out = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+    wide = x.float()  # statistics in float32, as torch's kernels compute them for bf16/fp16
+    centered = wide - wide.mean(dims, keepdim=True)
+    out = (centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)).to(x.dtype)
     out = out if weight is None else out * weight
     return out if bias is None else out + bias
 
@@ -192,10 +204,24 @@ def _split_packed(target, value: Packed, args, kwargs):
     return value.split() if dim == value.dim and into_blocks else None
 
 
-def _cat_as_packed(tensors, dim: int, placement: PackedShard | None, ranks: int) -> Packed | None:
+def _pointwise_packed(target, args, kwargs) -> Packed | None:
+    """A pointwise op on packed values of one layout and scalars (a scale, a cast, SwiGLU's own activation) acts on
+    the rank-major tensors as they are. None otherwise."""
+    if not (torch.Tag.pointwise in getattr(target, "tags", ()) or target in _CASTS):
+        return None
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    packed = [a for a in leaves if isinstance(a, Packed)]
+    layout = {(p.dim, p.blocks, tuple(p.tensor.shape)) for p in packed}
+    if len(layout) != 1 or any(isinstance(a, torch.Tensor) and a.dim() for a in leaves):
+        return None
+    args, kwargs = torch.fx.node.map_aggregate((args, kwargs), lambda a: a.tensor if isinstance(a, Packed) else a)
+    return Packed(target(*args, **kwargs), packed[0].dim, packed[0].blocks)
+
+
+def _cat_as_packed(tensors, dim: int, placement: PackedShard, ranks: int) -> Packed | None:
     """A cat whose result the plan packs (Flux: ``cat([attention, mlp])`` before a row-wise Linear): its inputs
     become the blocks."""
-    if placement is None or any(isinstance(t, Packed) for t in tensors):
+    if any(isinstance(t, Packed) for t in tensors):
         return None
     dim %= tensors[0].dim()
     if placement.dim % tensors[0].dim() != dim or [t.shape[dim] for t in tensors] != list(placement.blocks):
@@ -209,7 +235,7 @@ class _Annotator(Interpreter):
     def __init__(self, gm: GraphModule, xs, xla_mesh, mesh):
         super().__init__(gm)
         self.xs, self.xla_mesh, self.mesh, self.mesh_axes = xs, xla_mesh, mesh, mesh.axis_names
-        self.views: dict[tuple[Node, tuple], object] = {}
+        self.copies: dict[tuple[Node, tuple], object] = {}  # (producer, required placements) -> annotated copy
 
     def _annotate(self, value, placements: dict, *, mark: bool = False):
         if isinstance(value, Packed):
@@ -229,7 +255,7 @@ class _Annotator(Interpreter):
         else:
             self.xs.annotate_custom_sharding(tensor, self.xla_mesh, spec)
 
-    def _input(self, producer: Node, consumer: Node):
+    def _as_required(self, producer: Node, consumer: Node):
         """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
         differs (the edge where insert_collectives would put a collective)."""
         value = self.env[producer]
@@ -240,31 +266,28 @@ class _Annotator(Interpreter):
         if required == current or any(isinstance(p, tuple) for p in required.values()):
             return value
         key = (producer, tuple(sorted((axis, repr(p)) for axis, p in required.items())))
-        if key not in self.views:
+        if key not in self.copies:
             if isinstance(value, Packed):
                 raise XlaBackendError(f"{producer.name}: redistributing a packed value is not supported")
             copy = value.clone() if isinstance(value, torch.Tensor) else value
-            self.views[key] = self._annotate(copy, required)
-        return self.views[key]
+            self.copies[key] = self._annotate(copy, required)
+        return self.copies[key]
 
     def run_node(self, node: Node):
         if node.op == "placeholder":
             return self._annotate(next(self.args_iter), node.meta.get("placements", {}), mark=True)
         if node.op != "call_function":
             return super().run_node(node)
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._input(p, node))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._as_required(p, node))
         value = self._call(node, args, kwargs)
         return self._annotate(value, node.meta.get("placements", {}))
 
-    def _ranks(self, placements: dict) -> int:
-        return math.prod(self.mesh.size(axis) for axis, p in placements.items() if isinstance(p, PackedShard))
-
     def _call(self, node: Node, args, kwargs):
         target = node.target
-        if target is aten.cat.default:
-            placements = node.meta.get("placements", {})
+        placements = node.meta.get("placements", {})
+        if target is aten.cat.default and _packed_placement(placements) is not None:
             packed = _cat_as_packed(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0),
-                                    _packed_placement(placements), self._ranks(placements))
+                                    _packed_placement(placements), _packed_ranks(placements, self.mesh))
             if packed is not None:
                 return packed
         if target is aten.linear.default:
@@ -277,6 +300,9 @@ class _Annotator(Interpreter):
             pieces = _split_packed(target, args[0], args, kwargs)
             if pieces is not None:
                 return pieces
+        packed = _pointwise_packed(target, args, kwargs)
+        if packed is not None:
+            return packed
         args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fused)
         return target(*args, **kwargs)
 
@@ -326,8 +352,9 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
 
 
 def axis_of(groups, mesh) -> str:
-    """The mesh axis whose process groups are ``groups``, else a description of the groups."""
-    normalized = sorted(sorted(group) for group in groups)
+    """The mesh axis whose process groups are ``groups``, else a description of the groups. No groups (HLO's
+    ``replica_groups={}``) means all devices."""
+    normalized = sorted(sorted(group) for group in groups) or [list(range(mesh.world_size))]
     for axis in mesh.axis_names:
         if sorted(mesh.groups(axis)) == normalized:
             return axis
@@ -415,14 +442,10 @@ class XlaProgram:
             return value
         packed = _packed_placement(node.meta.get("placements", {}))
         if packed is not None:  # laid out rank-major on the host, so the device never holds the fused layout
-            dim, ranks = packed.dim % value.dim(), self.mesh.size(self._packed_axis(node))
+            dim, ranks = packed.dim % value.dim(), _packed_ranks(node.meta["placements"], self.mesh)
             host = Packed.from_blocks(value.split(list(packed.blocks), dim), dim, ranks)
             return Packed(host.tensor.to(self.device), dim, host.blocks)
         return value.to(self.device)
-
-    @staticmethod
-    def _packed_axis(node: Node) -> str:
-        return next(axis for axis, p in node.meta["placements"].items() if isinstance(p, PackedShard))
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.placeholders):
@@ -459,8 +482,10 @@ class XlaProgram:
         if files:
             _PARTITIONED[graph_hash] = (files, [c for f in files for c in hlo_collectives(Path(f).read_text())])
         elif graph_hash not in _PARTITIONED:
-            raise XlaBackendError(f"no partitioned HLO was dumped to {_dump_dir()}; XLA reads XLA_FLAGS once, when "
-                                  "its runtime starts (it may have started before --xla_dump_to was set)")
+            raise XlaBackendError(
+                f"XLA compiled nothing new and dumped no partitioned HLO to {_dump_dir()}: it reused this graph, "
+                "compiled earlier in this process without verify (or its runtime started before --xla_dump_to was "
+                "set, or dumps only protos). Verify in a fresh process, or compile with verify=False")
         self.stats.hlo_files, self.stats.collectives = _PARTITIONED[graph_hash]
         self.stats.mismatches = compare(self.stats.collectives, self.planned_collectives, self.mesh)
         if self.stats.mismatches:

@@ -116,3 +116,70 @@ def test_mesh_size_must_match_the_xla_devices(model_and_reference):
     model, inputs, _ = model_and_reference
     with pytest.raises(XlaBackendError, match="CPU_NUM_DEVICES=2"):
         partitioner.partition(model, {"tp": 2}, ((), inputs)).compile(backend="xla")
+
+
+def test_counts_on_tiny_h3_are_those_the_readme_gives(model_and_reference):
+    model, inputs, _ = model_and_reference
+    expected = {"tp4": {("all_reduce", "tp"): 11},
+                "ulysses4": {("all_to_all", "ulysses"): 8, ("all_gather", "ulysses"): 2},
+                "tp2_ulysses2": {("all_reduce", "tp"): 11, ("all_to_all", "ulysses"): 8,
+                                 ("all_gather", "ulysses"): 2}}
+    for layout, counts in expected.items():
+        partitioned = partitioner.partition(model, MESHES[layout], ((), inputs))
+        compiled = partitioned.compile(backend="xla")
+        compiled(**inputs)
+        found = compiled.stats.collectives
+        assert Counter((c.kind, axis_of(c.groups, partitioned.mesh)) for c in found) == Counter(counts), layout
+        groups = {axis: sorted(map(list, c.groups)) for c in found for axis in [axis_of(c.groups, partitioned.mesh)]}
+        for axis, seen in groups.items():
+            assert seen == sorted(partitioned.mesh.groups(axis))
+
+
+class PackedThroughPointwise(torch.nn.Module):
+    """A fused [value; gate] projection scaled and shifted before the split (as a bias, scale or cast would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        value, gate = (self.up(x) * 1.5 + 0.25).to(torch.float32).chunk(2, -1)
+        return self.down(value * torch.nn.functional.silu(gate))
+
+
+def test_packed_values_pass_pointwise_ops_without_collectives():
+    torch.manual_seed(0)
+    model, x = PackedThroughPointwise().eval(), torch.randn(2, 5, 16)
+    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}))
+    assert partitioned.linear_styles == {"up": "colwise packed [32, 32]", "down": "rowwise"}
+    compiled = partitioned.compile(backend="xla")  # would raise CollectiveMismatch on a re-layout
+    torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    assert [c.kind for c in compiled.stats.collectives] == ["all_reduce"]
+
+
+def test_meta_model_with_loaded_weights(tmp_path):
+    """Full-size models are partitioned on meta weights: load_weights then reads whole tensors for XLA."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    with torch.device("meta"):
+        meta_model = tiny_h3()
+    meta_inputs = {name: value.to("meta") for name, value in inputs.items()}
+    partitioned = partitioner.partition(meta_model, {"tp": 2, "ulysses": 2}, ((), meta_inputs))
+    with pytest.raises(RuntimeError, match="meta device"):
+        partitioned.compile(backend="xla")
+    compiled = partitioned.load_weights(tmp_path).compile(backend="xla")
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+    for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE)
+
+
+def test_verify_after_an_unverified_compile_of_the_same_graph_says_why():
+    torch.manual_seed(1)
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.GELU(), torch.nn.Linear(24, 8)).eval(), \
+        torch.randn(3, 8)
+    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}))
+    partitioned.compile(backend="xla", verify=False)(x)
+    with pytest.raises(XlaBackendError, match="reused this graph, compiled earlier in this process without verify"):
+        partitioned.compile(backend="xla")(x)
+
