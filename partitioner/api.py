@@ -34,14 +34,25 @@ class Partitioned:
         # A mesh given as axis sizes is driven by one process (XLA SPMD): it keeps the model's full tensors. A
         # DeviceMesh rank keeps only its shards, so the model can be freed.
         self.global_state = traced.state if not ctx.mesh.runnable else None
+        self.checkpoint = None  # (path, strict) of the last load_weights
         traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
         """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
-        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device). With a
-        mesh given as axis sizes (one process for every device: XLA) the whole tensors are read.
+        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
         Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
-        Nothing is replaced unless every tensor was found and read."""
+        Nothing is replaced unless every tensor was found and read. ``compile(backend="xla")``, which drives every
+        device from one process, reads the whole tensors from the same checkpoint when it runs."""
+        expected, computed = self._checkpoint_tensors()
+        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
+        device = torch.device(device) if device is not None else self.mesh.device
+        shards.update({name: self.state[name] for name in computed})
+        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
+        self.checkpoint = (path, strict)
+        return self
+
+    def _checkpoint_tensors(self) -> tuple[dict, list[str]]:
+        """What a checkpoint must hold (name -> global shape and dtype), and the buffers computed instead."""
         expected, computed = {}, []
         for node, graph_input in self.ctx.placeholder_inputs(self.graph_module).items():
             if not graph_input.is_model_tensor:
@@ -55,18 +66,7 @@ class Partitioned:
             raise CheckpointError(f"non-persistent buffers {on_meta} are on the meta device and no checkpoint holds "
                                   "them (partition computes them only for diffusers models); set them first: "
                                   "partitioned.state[name] = tensor")
-        device = torch.device(device) if device is not None else self.mesh.device
-        if self.global_state is not None:  # one process drives every device (XLA): it reads the whole tensors
-            full = load_shards(path, expected, {}, self.mesh, strict=strict)
-            full.update({name: self.global_state[name] for name in computed})
-            self.global_state = {name: tensor.to(device) for name, tensor in full.items()}
-            names = [gi.target for gi in self.ctx.inputs if gi.is_model_tensor]
-            self.state = shard_state(self.global_state, names, self.slice_specs, self.mesh)
-            return self
-        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
-        shards.update({name: self.state[name] for name in computed})
-        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
-        return self
+        return expected, computed
 
     @property
     def mesh(self):
@@ -120,15 +120,21 @@ class Partitioned:
         if self.global_state is None:
             raise RuntimeError("backend='xla' drives every device from one process: partition with the mesh as "
                                f"axis sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
-        meta = [name for name, t in self.global_state.items() if t.is_meta]
+        state = self.global_state
+        if any(t.is_meta for t in state.values()) and self.checkpoint is not None:  # a meta model: read it whole
+            path, strict = self.checkpoint
+            expected, computed = self._checkpoint_tensors()
+            state = load_shards(path, expected, {}, self.mesh, strict=strict)
+            state.update({name: self.global_state[name] for name in computed})
+        meta = [name for name, t in state.items() if t.is_meta]
         if meta:
             raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
-                               "needs real weights to run")
+                               "needs real weights to run: use a model with weights, or load_weights(checkpoint)")
         planned = Counter()
         for c in self.report().collectives:
             planned[(c.kind, c.axis)] += c.count
         lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=planned, verify=verify)
-        state = [self.global_state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
+        state = [state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
         return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
 
 
