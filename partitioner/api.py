@@ -181,10 +181,15 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
     """``backend_checks``: "neuron", or {"neuron": options of compile(backend="neuron")} such as
     ``{"pad_sequence": True}``. The legalized graph the checks see is dumped after the passes' graphs."""
-    name, options = (backend_checks, {}) if isinstance(backend_checks, str) else next(iter(backend_checks.items()))
-    if name != "neuron" or (isinstance(backend_checks, dict) and len(backend_checks) != 1):
-        raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks, e.g. "
-                         "backend_checks='neuron' or {'neuron': {'pad_sequence': True}}")
+    usage = "e.g. backend_checks='neuron' or {'neuron': {'pad_sequence': True}}"
+    if isinstance(backend_checks, str):
+        backend_checks = {backend_checks: {}}
+    if not (isinstance(backend_checks, dict) and list(backend_checks) == ["neuron"]):
+        raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks, {usage}")
+    options = backend_checks["neuron"]
+    if not isinstance(options, dict) or not set(options) <= {"pad_sequence", "text_rows"}:
+        raise ValueError(f"backend_checks={backend_checks!r}: the neuron options are pad_sequence and text_rows, "
+                         f"{usage}")
     options = dict(options)
     legal = backends.neuron.legalize(partitioned.graph_module, pad_sequence=options.pop("pad_sequence", False))
     Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)("neuron_legalize", legal, partitioned.ctx)

@@ -178,6 +178,12 @@ def test_narrowed_tiny_h3_is_exact(one_rank):
     bad = dict(inputs, audio_indices=inputs["audio_indices"] + 2**32)
     with pytest.raises(InputError, match=r"audio_indices holds values in \[\d+, \d+\], outside int32"):
         partitioned.compile(backend="neuron")(**bad)
+    # index_copy refuses a negative index; its index_put stand-in would wrap it, so the input check refuses it
+    negative = dict(inputs, text_indices=inputs["text_indices"] - inputs["text_indices"].max() - 1)
+    with pytest.raises(IndexError):
+        partitioned.compile()(**negative)
+    with pytest.raises(InputError, match=r"text_indices holds a negative index .*index_copy"):
+        partitioned.compile(backend="neuron")(**negative)
 
 
 def _drop_normalisation(gm, backend):
@@ -240,6 +246,57 @@ def test_padding_copies_a_key_so_very_negative_scores_stay_exact():
     zero_keys = F.scaled_dot_product_attention(pad(q), pad(k), pad(v)) / \
         F.scaled_dot_product_attention(pad(q), pad(k), pad(torch.ones_like(v)))
     assert zero_keys[..., :7, :].isnan().all()
+
+
+class SdpaWith(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **self.options)
+
+
+PADDING_CASES = {  # (q, k, v shapes, sdpa options); every error measured at or below 1.1e-6
+    "gqa": (((1, 4, 300, 16), (1, 2, 300, 16), (1, 2, 300, 16)), dict(enable_gqa=True)),
+    "scale": (((1, 2, 300, 16), (1, 2, 300, 16), (1, 2, 300, 16)), dict(scale=0.9)),
+    "batch3_q600_k513": (((3, 2, 600, 16), (3, 2, 513, 16), (3, 2, 513, 16)), {}),
+    "v_head_dim_24": (((1, 2, 70, 16), (1, 2, 70, 16), (1, 2, 70, 24)), {}),
+    "causal": (((1, 2, 70, 16), (1, 2, 70, 16), (1, 2, 70, 16)), dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PADDING_CASES))
+def test_padding_is_exact_for_every_attention_form(case):
+    """The padded graph against the unpadded one, with the options passed through (GQA, scale, causal), batch > 1,
+    unequal query and key lengths, a value head_dim of its own. float32: a few ulps (1e-5 on unit-scale outputs)."""
+    shapes, options = PADDING_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in shapes)
+    gm = partitioner.partition(SdpaWith(**options), {"tp": 1}, ((q, k, v), {})).graph_module
+    legal = neuron.legalize(gm, pad_sequence=True)
+    attentions = [n for n in legal.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert all(n.args[0].meta["val"].shape[-2] % 512 == 0 and n.args[1].meta["val"].shape[-2] % 512 == 0
+               for n in attentions)
+    assert len(attentions) == (1 if options.get("is_causal") else 2)  # causal: later keys are masked anyway
+    assert neuron.check(legal, partitioner.mesh.as_mesh_spec({"tp": 1})) == []
+    torch.testing.assert_close(legal(q, k, v)[0], gm(q, k, v)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unpaddable_attention_is_not_offered_padding():
+    """A causal attention of unequal lengths cannot be padded at the end exactly: the check says so, without
+    suggesting pad_sequence."""
+    q, k, v = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16)
+    gm = partitioner.partition(SdpaWith(is_causal=True), {"tp": 1}, ((q, k, v), {})).graph_module
+    problems = neuron.check(neuron.legalize(gm, pad_sequence=True), partitioner.mesh.as_mesh_spec({"tp": 1}))
+    assert problems and not any("pad_sequence" in p for p in problems)
+
+
+@pytest.mark.parametrize("checks", [{}, {"neuron": True}, {"neuron": {"bogus": 1}}, {"xla": {}}, "inductor"])
+def test_backend_checks_option_is_validated(checks):
+    q = torch.randn(1, 2, 512, 16)
+    with pytest.raises(ValueError, match="backend_checks="):
+        partitioner.partition(SdpaWith(), {"tp": 1}, ((q, q, q), {}), backend_checks=checks)
 
 
 def test_offline_checks_with_padding_and_dump(tmp_path):

@@ -87,7 +87,7 @@ def check(gm: GraphModule, mesh, text_rows: int | None = None) -> list[str]:
                             "prologue)")
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             problems += _attention_problems(node, text_rows)
-    return problems
+    return list(dict.fromkeys(problems))  # a padded attention's two calls would report the same head_dim twice
 
 
 def _attention_problems(node, text_rows: int | None) -> list[str]:
@@ -96,14 +96,14 @@ def _attention_problems(node, text_rows: int | None) -> list[str]:
     problems = []
     for name, length in (("query", q.shape[-2]), ("key", k.shape[-2])):
         if length % BLOCK:
+            fix = (" (or pad_sequence=True pads it exactly, at twice the attention cost)"
+                   if pad_attention.paddable(node) else "")
             problems.append(f"{where}: {name} {sequence_length_advice(length, text_rows)}; otherwise the NKI flash "
-                            "kernel is not used and the whole score matrix is materialised (or pad_sequence=True "
-                            "pads it exactly, at twice the attention cost)")
+                            f"kernel is not used and the whole score matrix is materialised{fix}")
             break
     if q.shape[-1] > MAX_HEAD_DIM:
         problems.append(f"{where}: head_dim {q.shape[-1]} > {MAX_HEAD_DIM}: the flash kernel is not used")
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    mask, dropout, _ = pad_attention.attention_options(node)
     if mask is not None:
         problems.append(f"{where}: an attention mask (bias) disables the flash kernel")
     if dropout:

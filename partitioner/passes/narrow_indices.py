@@ -2,12 +2,13 @@
 
 Not part of ``PIPELINE``: the Neuron backend runs it on its copy of a rank's graph (``run(gm) -> gm``, in place).
 
-"Provably fits": an int64 value whose every use is as indices into a dimension of static size < 2**31, directly or
-through ops that only move or pick its values (views, slices), lies in int32 whenever the indexing is valid.
-It is narrowed where it is made:
+"Provably fits": an int64 value whose every use is as indices, directly or through ops that only move or pick its
+values (views, slices), keeps its meaning in int32: no arithmetic, promotion or output sees the narrower type. Its
+values fit because they are checked: it is narrowed where it is made,
 - a graph input (user input, host-prologue transfer): its placeholder becomes int32, and ``cast_inputs`` casts the
-  int64 argument at each call after checking its range on the host (a value outside int32 was no valid index
-  anyway; the error names the input), so the narrowed graph sees exactly the values the original saw;
+  int64 argument at each call after checking its range (a value outside int32 was no valid index anyway; the error
+  names the input; a tensor passed again, a model buffer, is checked once), so the narrowed graph sees exactly the
+  values the original saw;
 - ``arange`` with static bounds inside int32: made int32 directly.
 Anything computed by arithmetic (H3's ``timestep_indices * 3 + token_tags``) stays int64, and so do the inputs it
 reads: int32 arithmetic could wrap an invalid index into a valid one.
@@ -17,7 +18,8 @@ contiguous, strided and expanded indices): index_select, index_add, index.Tensor
 index_fill and take refuse int32 ("Expected a long tensor"); gather accepts int32 but returns wrong rows for a
 non-contiguous int32 index (an expanded one, as models build them), so gather and scatter keep int64.
 index_copy refuses int32 too, but it is how H3 builds the packed sequence, so an index_copy whose index is
-narrowed becomes the index_put it equals (``x.index_copy(d, i, s)`` is ``x[(:,) * d + (i,)] = s``).
+narrowed becomes the index_put it equals for valid indices (``x.index_copy(d, i, s)`` is ``x[(:,) * d + (i,)] =
+s``); index_put would wrap a negative index that index_copy refuses, so the input check refuses it instead.
 """
 
 from __future__ import annotations
@@ -67,16 +69,18 @@ def _used_as_index(node: Node, user: Node, memo: dict) -> bool:
     return uses == sum(operand is node and isinstance(size, int) and size <= INT32.max for operand, size in operands)
 
 
-def _narrow(node: Node) -> None:
+def _narrow(node: Node, root: Node) -> None:
     """Mark ``node`` and the moves downstream of it int32, and turn the index_copy they feed into index_put."""
     node.meta["val"] = node.meta["val"].to(torch.int32)
     for user in list(node.users):
         if user.target in _MOVES:
-            _narrow(user)
+            _narrow(user, root)
         elif user.target is aten.index_copy.default:
             self, dim, index, source = user.args
             user.target = aten.index_put.default
             user.args = (self, [None] * (dim % self.meta["val"].dim()) + [index], source)
+            # index_copy refuses a negative index, index_put wraps it: the input check keeps the refusal
+            root.meta["nonnegative"] = user.name
 
 
 def run(gm: GraphModule) -> GraphModule:
@@ -91,32 +95,42 @@ def run(gm: GraphModule) -> GraphModule:
             node.update_kwarg("dtype", torch.int32)
         else:
             continue
-        _narrow(node)
+        _narrow(node, node)
     gm.recompile()
     return gm
 
 
 def cast_inputs(fn, gm: GraphModule):
     """``fn`` (``gm`` lowered) called with ``gm``'s inputs as they were before narrowing: each narrowed int64
-    argument is checked to fit int32 and cast."""
+    argument is checked to fit int32 and cast. An argument passed again as the same tensor (a model buffer) is
+    checked and cast once."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    narrowed = [(i, node.name) for i, node in enumerate(placeholders) if "narrowed_from" in node.meta]
+    narrowed = [(i, node.name, node.meta.get("nonnegative")) for i, node in enumerate(placeholders)
+                if "narrowed_from" in node.meta]
     if not narrowed:
         return fn
+    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def call(*args):
         args = list(args)
-        for i, name in narrowed:
-            args[i] = to_int32(args[i], name)
+        for i, name, nonnegative in narrowed:
+            if i in last and last[i][0] is args[i]:
+                args[i] = last[i][1]
+                continue
+            cast = to_int32(args[i], name, nonnegative)
+            last[i] = (args[i], cast)
+            args[i] = cast
         return fn(*args)
 
     return call
 
 
-def to_int32(value: torch.Tensor, name: str) -> torch.Tensor:
+def to_int32(value: torch.Tensor, name: str, nonnegative: str | None = None) -> torch.Tensor:
     if value.numel():
         low, high = (int(v) for v in value.aminmax())
         if low < INT32.min or high > INT32.max:
             raise InputError(f"{name} holds values in [{low}, {high}], outside int32: it is used only as indices, "
                              "which the Neuron graph takes as int32, and no valid index lies outside int32")
+        if nonnegative and low < 0:
+            raise InputError(f"{name} holds a negative index ({low}); {nonnegative} (an index_copy) refuses it")
     return value.to(torch.int32)

@@ -28,8 +28,19 @@ aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
 
-def _option(node: Node, index: int, name: str, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+def attention_options(node: Node) -> tuple:
+    """(attn_mask, dropout_p, is_causal) of a scaled_dot_product_attention node."""
+    def option(index: int, name: str, default):
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+    return option(3, "attn_mask", None), option(4, "dropout_p", 0.0), option(5, "is_causal", False)
+
+
+def paddable(node: Node) -> bool:
+    """No mask and no dropout; causal only with queries and keys of one length (then zero rows appended at the end
+    are never seen by a real query, and the plain padded attention is exact)."""
+    mask, dropout, causal = attention_options(node)
+    same_length = node.args[0].meta["val"].shape[-2] == node.args[1].meta["val"].shape[-2]
+    return mask is None and not dropout and (not causal or same_length)
 
 
 def _add(gm: GraphModule, target, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> Node:
@@ -57,9 +68,12 @@ def _pad(gm: GraphModule, node: Node, block: int) -> None:
     options, kwargs = node.args[3:], node.kwargs  # scale and GQA as given (the default scale reads head_dim)
     meta = {"heads": node.meta["heads"]} if "heads" in node.meta else {}  # names the attention in Neuron's check
     previous = node.prev
+    causal = attention_options(node)[2]
     with gm.graph.inserting_before(node):
         qp = _padded(gm, q, q_pad) if q_pad else q
-        if k_pad:
+        if causal:  # one length: later (padded) keys are masked out for every real query
+            out = _add(gm, SDPA, (qp, _padded(gm, k, k_pad), _padded(gm, v, k_pad), *options), kwargs, meta)
+        elif k_pad:
             kp, vp = _padded(gm, k, k_pad, copy_first=True), _padded(gm, v, k_pad)
             real = _padded(gm, _add(gm, aten.ones_like.default, (v,)), k_pad)  # 1 on real key rows, 0 on padded
             o1 = _add(gm, SDPA, (qp, kp, vp, *options), kwargs, meta)
@@ -82,10 +96,7 @@ def run(gm: GraphModule, block: int) -> GraphModule:
         if node.target is not SDPA:
             continue
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        mask, dropout, causal = _option(node, 3, "attn_mask", None), _option(node, 4, "dropout_p", 0.0), \
-            _option(node, 5, "is_causal", False)
-        # a mask, dropout or causal attention is left as it is, for the Neuron check to report
-        if (q.shape[-2] % block or k.shape[-2] % block) and mask is None and not dropout and not causal:
+        if (q.shape[-2] % block or k.shape[-2] % block) and paddable(node):  # else left for the check to report
             _pad(gm, node, block)
     gm.recompile()
     return gm
