@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -83,6 +84,11 @@ def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    # Skip the interpreter's teardown: with compile workers alive, torch 2.9 can abort there ("terminate called
+    # without an active exception") after the rank's work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args) -> list:
@@ -92,8 +98,8 @@ def run_ranks(world: int, fn, *args) -> list:
         try:
             mp.start_processes(_worker, args=(world, out_dir, fn, args), nprocs=world,
                                start_method="spawn", join=True)
-        except mp.ProcessRaisedException:
-            pass  # the rank's own traceback is reported below
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            pass  # the rank's own traceback, or its missing result, is reported below
         results = []
         for rank in range(world):
             path = Path(out_dir) / f"{rank}.pt"
