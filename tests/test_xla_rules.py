@@ -135,3 +135,20 @@ def test_packed_values_are_held_rank_major():
     down = torch.randn(7, 12)  # row-wise Linear reading a packed input: one contraction over (ranks, rows)
     columns = Packed.from_blocks(down.split([8, 4], 1), dim=1, ranks=2)
     torch.testing.assert_close(_linear(packed, columns), torch.nn.functional.linear(torch.cat([value, gate], 1), down))
+
+
+def test_nested_uneven_shards_are_padded_to_equal_tiles():
+    """6 heads over tp=2 then ulysses=2: each tp rank's 3 heads split 2 + 1. Padded to 4 per tp rank, XLA's equal
+    tiles of 2 hold exactly the plan's heads: (tp0, u0) heads 0-1, (tp0, u1) head 2, (tp1, u0) 3-4, (tp1, u1) 5."""
+    from partitioner.backends.xla import Nested, nested_uneven
+
+    heads = {"tp": Shard(1), "ulysses": Shard(1)}
+    assert nested_uneven(heads, (1, 6, 23, 16), MESH) == (1, 2, 2)
+    assert nested_uneven(heads, (1, 8, 23, 16), MESH) is None  # 4 per tp rank: even
+    assert nested_uneven({"tp": Shard(1), "ulysses": Shard(2)}, (1, 6, 23, 16), MESH) is None
+    value = torch.arange(6.0).reshape(1, 6, 1, 1)
+    padded = Nested.pad(value, 1, 2, 2)
+    tiles = padded.tensor.flatten().split(2)
+    assert [t.tolist() for t in tiles] == [[0, 1], [2, 0], [3, 4], [5, 0]]
+    assert torch.equal(padded.unpad(), value)
+

@@ -142,8 +142,50 @@ def _packed_ranks(placements: dict, mesh) -> int:
     return next(mesh.size(axis) for axis, p in placements.items() if isinstance(p, PackedShard))
 
 
+@dataclass
+class Nested:
+    """A value whose dim ``dim`` the plan shards over two axes, ``outer`` shards first, each then split over the
+    inner axis unevenly (tiny H3 at TP=2 x Ulysses=2 with 6 heads: 3 per tp rank, 2 + 1 over ulysses; H3 at TP=8 x
+    Ulysses=8: 7 over 8). XLA tiles a dim in equal tiles, so no sharding of the dim keeps the tp shards whole. Each
+    outer shard is padded with zeros to a multiple of the inner degree instead: equal tiles then fall exactly as the
+    plan splits. Attention runs on the padded heads (zeros in, zeros out), and the pad is dropped once the inner
+    axis no longer shards the dim."""
+    tensor: torch.Tensor
+    dim: int
+    outer: int
+    local: int  # real entries per outer shard
+
+    @staticmethod
+    def pad(tensor: torch.Tensor, dim: int, outer: int, inner: int) -> "Nested":
+        local = tensor.shape[dim] // outer
+        blocks = tensor.unflatten(dim, (outer, local))
+        shape = list(blocks.shape)
+        shape[dim + 1] = -local % inner
+        padded = torch.cat([blocks, blocks.new_zeros(shape)], dim + 1)
+        return Nested(padded.flatten(dim, dim + 1), dim, outer, local)
+
+    def unpad(self) -> torch.Tensor:
+        blocks = self.tensor.unflatten(self.dim, (self.outer, -1))
+        return blocks.narrow(self.dim + 1, 0, self.local).flatten(self.dim, self.dim + 1)
+
+
+def nested_uneven(placements: dict, shape, mesh) -> tuple[int, int, int] | None:
+    """(dim, outer size, inner size) where ``placements`` shard a dim over two axes and the outer shards do not
+    split evenly over the inner axis; None if there is no such dim."""
+    for dim, size in enumerate(shape):
+        axes = [axis for axis in mesh.axis_names
+                if isinstance(placements.get(axis), Shard) and placements[axis].dim % len(shape) == dim]
+        if len(axes) == 2:
+            outer, inner = mesh.size(axes[0]), mesh.size(axes[1])
+            if size % outer == 0 and size // outer % inner:
+                return dim, outer, inner
+    return None
+
+
 def _fused(value):
-    return value.fused() if isinstance(value, Packed) else value
+    if isinstance(value, Packed):
+        return value.fused()
+    return value.unpad() if isinstance(value, Nested) else value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,6 +285,11 @@ class _Annotator(Interpreter):
             if spec is not None:
                 self._annotate_tensor(value.tensor, spec, mark)
             return value
+        if isinstance(value, Nested):
+            spec = partition_spec(placements, value.tensor.dim(), self.mesh_axes)
+            if spec is not None:
+                self._annotate_tensor(value.tensor, spec, mark)
+            return value
         if isinstance(value, torch.Tensor) and value.dim():
             spec = partition_spec(placements, value.dim(), self.mesh_axes)
             if spec is not None:
@@ -267,11 +314,28 @@ class _Annotator(Interpreter):
             return value
         key = (producer, tuple(sorted((axis, repr(p)) for axis, p in required.items())))
         if key not in self.copies:
-            if isinstance(value, Packed):
-                raise XlaBackendError(f"{producer.name}: redistributing a packed value is not supported")
-            copy = value.clone() if isinstance(value, torch.Tensor) else value
-            self.copies[key] = self._annotate(copy, required)
+            self.copies[key] = self._redistributed(producer, value, current, required)
         return self.copies[key]
+
+    def _redistributed(self, producer: Node, value, current: dict, required: dict):
+        """A copy of ``value`` annotated as ``required``. Into or out of a nested uneven placement, the exchange
+        happens on the padded value (see ``Nested``), so that XLA sees equal tiles on both sides."""
+        if isinstance(value, Packed):
+            raise XlaBackendError(f"{producer.name}: redistributing a packed value is not supported")
+        if not isinstance(value, (torch.Tensor, Nested)):
+            return value
+        shape = value.tensor.shape if isinstance(value, Nested) else value.shape
+        nested = nested_uneven(required, shape, self.mesh) if isinstance(value, torch.Tensor) else None
+        if nested is not None:  # pad where the value is, exchange the padded value
+            value = self._annotate(Nested.pad(value, *nested), current)
+        if isinstance(value, Nested):
+            exchanged = self._annotate(Nested(value.tensor.clone(), value.dim, value.outer, value.local), required)
+            real = list(shape)
+            real[value.dim] = value.outer * value.local
+            if nested_uneven(required, real, self.mesh) is not None:  # still nested: stay padded
+                return exchanged
+            return self._annotate(exchanged.unpad(), required)  # the inner axis left: drop the pad, locally
+        return self._annotate(value.clone(), required)
 
     def run_node(self, node: Node):
         if node.op == "placeholder":
@@ -293,6 +357,11 @@ class _Annotator(Interpreter):
         if target is aten.linear.default:
             return _linear(*args, **kwargs)
         if target is aten.scaled_dot_product_attention.default:
+            nested = [a for a in args[:3] if isinstance(a, Nested)]
+            if len(nested) == 3 and len({(n.dim, n.outer, n.local, n.tensor.shape[n.dim]) for n in nested}) == 1:
+                out = _attention(*(n.tensor for n in nested), *args[3:], **kwargs)  # padded heads: zeros
+                return Nested(out, nested[0].dim, nested[0].outer, nested[0].local)
+            args = tuple(_fused(a) for a in args)
             return _attention(*args, **kwargs)
         if target is aten.layer_norm.default:
             return _layer_norm(*args, **kwargs)

@@ -28,7 +28,13 @@ def _flux():
     return tiny_flux(), flux_inputs()
 
 
-MODELS = {"h3": _h3, "flux": _flux}  # Flux: a packed cat([attention, mlp]) of unequal blocks, layer norms
+def _h3_six_heads():
+    return tiny_h3(num_attention_heads=6), h3_inputs(TINY_H3)
+
+
+# Flux: a packed cat([attention, mlp]) of unequal blocks, layer norms. H3 with 6 heads: at TP=2 x Ulysses=2 each tp
+# rank's 3 heads split 2 + 1 over ulysses, which XLA's equal tiles express only once padded (see xla.Nested).
+MODELS = {"h3": _h3, "flux": _flux, "h3_six_heads": _h3_six_heads}
 
 
 def _outputs(result):
@@ -49,8 +55,11 @@ def _planned_collectives(partitioned) -> Counter:
     return planned
 
 
-@pytest.mark.parametrize("layout", sorted(MESHES))
-@pytest.mark.parametrize("name", sorted(MODELS))
+CASES = [(name, layout) for name in sorted(MODELS) for layout in sorted(MESHES)
+         if (name, layout) != ("h3_six_heads", "tp4")]  # 6 heads do not split over TP=4 (a PartitionError)
+
+
+@pytest.mark.parametrize("name, layout", CASES)
 def test_numerics_and_collectives_match_the_plan(name, layout):
     model, inputs = MODELS[name]()
     with torch.no_grad():
