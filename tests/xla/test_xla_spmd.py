@@ -11,8 +11,8 @@ import torch
 import partitioner
 from partitioner.backends.xla import CollectiveMismatch, XlaBackendError, axis_of
 from partitioner.placement import PackedShard, Shard
-from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_inputs, h3_inputs, tiny_flux,
-                                 tiny_h3)
+from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_inputs, h3_inputs, idiom_cases,
+                                 tiny_flux, tiny_h3)
 
 # float32 sums over sharded dims are reordered (per-shard partial sums, then the all-reduce), and attention runs as
 # einsums instead of SDPA's kernel: a few ulps on O(1) outputs; same bound as the gloo tests.
@@ -81,6 +81,21 @@ def test_numerics_and_collectives_match_the_plan(name, layout):
         assert "all_reduce" in kinds
     if "ulysses" in MESHES[layout]:
         assert "all_to_all" in kinds
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(idiom_cases()))
+def test_model_idioms(name, layout):
+    """Fused projections cut with split, joint attention, zeros_like, view-split heads, masks: exact, and exactly
+    the plan's collectives."""
+    factory, inputs = idiom_cases()[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    with torch.no_grad():
+        expected = model(**inputs)
+    compiled = partitioner.partition(model, MESHES[layout], ((), inputs)).compile(backend="xla")
+    torch.testing.assert_close(compiled(**inputs), expected, **TOLERANCE)
+    assert compiled.stats.mismatches == []
 
 
 def test_naive_fused_swiglu_annotation_is_detected(model_and_reference):
