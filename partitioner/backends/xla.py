@@ -13,12 +13,13 @@ before ``insert_collectives``) and the model's full tensors. It interprets the g
   all-to-all, Partial -> Replicate its all-reduce, Shard -> Replicate its all-gather, Replicate -> Shard a local
   slice.
 
-Packed values (a ``PackedShard``: SwiGLU's ``[value; gate]`` in one Linear, Flux's ``cat([attention, mlp])``
-before a row-wise Linear) cannot be a tile sharding of the fused dim: each rank holds a slice of each block, which
-is not one contiguous range. Annotated naively, XLA re-lays the halves out with collective-permutes. Here a packed
-value is held as its blocks, separate tensors each sharded on its own: a fused weight is split on the host, a
-packed Linear computes one einsum per block, the ``chunk`` into halves returns the blocks and a packing ``cat``
-keeps its inputs: the HLO then has exactly the plan's collectives.
+Two layouts differ from the plan's global one, where XLA's equal tiles cannot express what a rank holds:
+
+- packed values (a ``PackedShard``: SwiGLU's ``[value; gate]`` in one Linear, Flux's ``cat([attention, mlp])``
+  before a row-wise Linear): each rank holds a slice of every block, not one contiguous range. Annotated naively,
+  XLA re-lays the blocks out with collective-permutes. They are held rank-major instead (``Packed``);
+- a dim split over tp and then unevenly over ulysses (3 heads per tp rank, 2 + 1): each tp shard is padded to a
+  multiple of the ulysses degree around the exchange (``Nested``).
 
 Three ops are written out so that XLA keeps their operands sharded: Linear and attention as einsums
 (``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims into one, merging a sharded dim with an
@@ -280,27 +281,20 @@ class _Annotator(Interpreter):
         self.copies: dict[tuple[Node, tuple], object] = {}  # (producer, required placements) -> annotated copy
 
     def _annotate(self, value, placements: dict, *, mark: bool = False):
+        """Annotate ``value`` (returned) with ``placements`` where XLA can express them: ``mark_sharding`` for graph
+        inputs, a custom sharding annotation for values computed in the graph."""
         if isinstance(value, Packed):
-            spec = packed_spec(placements, value.tensor.dim() - 1, self.mesh_axes)
-            if spec is not None:
-                self._annotate_tensor(value.tensor, spec, mark)
-            return value
-        if isinstance(value, Nested):
-            spec = partition_spec(placements, value.tensor.dim(), self.mesh_axes)
-            if spec is not None:
-                self._annotate_tensor(value.tensor, spec, mark)
-            return value
-        if isinstance(value, torch.Tensor) and value.dim():
-            spec = partition_spec(placements, value.dim(), self.mesh_axes)
-            if spec is not None:
-                self._annotate_tensor(value, spec, mark)
-        return value
-
-    def _annotate_tensor(self, tensor, spec, mark):
-        if mark:
-            self.xs.mark_sharding(tensor, self.xla_mesh, spec)
+            tensor, spec = value.tensor, packed_spec(placements, value.tensor.dim() - 1, self.mesh_axes)
+        elif isinstance(value, Nested):
+            tensor, spec = value.tensor, partition_spec(placements, value.tensor.dim(), self.mesh_axes)
+        elif isinstance(value, torch.Tensor) and value.dim():
+            tensor, spec = value, partition_spec(placements, value.dim(), self.mesh_axes)
         else:
-            self.xs.annotate_custom_sharding(tensor, self.xla_mesh, spec)
+            return value
+        if spec is not None:
+            annotate = self.xs.mark_sharding if mark else self.xs.annotate_custom_sharding
+            annotate(tensor, self.xla_mesh, spec)
+        return value
 
     def _as_required(self, producer: Node, consumer: Node):
         """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
