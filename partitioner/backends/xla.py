@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
+from ..mesh import MeshSpec
 from ..placement import PackedShard, Partial, Replicate, Shard
 from ..runtime import place_graph_on
 from ..trace import copy_graph_module
@@ -455,8 +456,10 @@ def _dump_dir() -> Path | None:
     return Path(match.group(1)) if match else None
 
 
-def _prepare_runtime(torch_xla, xr, mesh, verify) -> None:
-    """SPMD mode, enough devices, and (to verify) HLO dumps: XLA reads its flags once, when its runtime starts."""
+def _prepare_runtime(torch_xla, xr, mesh, verify) -> MeshSpec:
+    """SPMD mode and (to verify) HLO dumps: XLA reads its flags once, when its runtime starts. Returns the mesh over
+    all of XLA's devices: the plan's, behind a leading ``replicas`` axis over which everything is replicated when
+    XLA has more devices than the plan (every group of consecutive devices runs the plan)."""
     started = torch_xla._XLAC._xla_runtime_is_initialized()
     if verify and _dump_dir() is None:
         if started:
@@ -468,9 +471,12 @@ def _prepare_runtime(torch_xla, xr, mesh, verify) -> None:
     if not xr.is_spmd():
         xr.use_spmd()
     devices = xr.global_runtime_device_count()
-    if devices != mesh.world_size:
-        raise XlaBackendError(f"the mesh {mesh.sizes} has {mesh.world_size} devices, XLA has {devices}; on CPU "
-                              f"start with PJRT_DEVICE=CPU CPU_NUM_DEVICES={mesh.world_size}")
+    if devices % mesh.world_size:
+        raise XlaBackendError(f"the mesh {mesh.sizes} has {mesh.world_size} devices, which do not divide XLA's "
+                              f"{devices}; on CPU start with PJRT_DEVICE=CPU CPU_NUM_DEVICES={mesh.world_size}")
+    if devices == mesh.world_size:
+        return mesh
+    return MeshSpec(("replicas",) + mesh.axis_names, (devices // mesh.world_size,) + mesh.axis_sizes, 0, None)
 
 
 # XLA compiles a graph once per process and dumps it then: what its partitioned HLO held, by XLA's graph hash.
@@ -489,7 +495,7 @@ class XlaProgram:
 
     def __init__(self, planned: GraphModule, mesh, planned_collectives: Counter, verify):
         self.torch_xla, self.xs, self.xr = _torch_xla()
-        _prepare_runtime(self.torch_xla, self.xr, mesh, verify)
+        mesh = _prepare_runtime(self.torch_xla, self.xr, mesh, verify)
         self.device = self.torch_xla.device()
         # device i of the mesh is XLA device i, so HLO replica groups read as mesh.groups(axis)
         self.xla_mesh = self.xs.Mesh(list(range(mesh.world_size)), mesh.axis_sizes, mesh.axis_names)

@@ -152,10 +152,21 @@ def test_host_prologue_runs_on_cpu_device_graph_on_xla():
             torch.testing.assert_close(a, e, **TOLERANCE)
 
 
-def test_mesh_size_must_match_the_xla_devices(model_and_reference):
+def test_a_smaller_mesh_runs_on_every_group_of_devices(model_and_reference):
+    """TP=2 on 4 devices: the plan on devices (0, 1) and again on (2, 3); its all-reduces over [[0, 1], [2, 3]]."""
+    model, inputs, expected = model_and_reference
+    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs))
+    compiled = partitioned.compile(backend="xla")
+    for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE)
+    assert {c.groups for c in compiled.stats.collectives} == {((0, 1), (2, 3))}
+    assert len(compiled.stats.collectives) == partitioned.report().count("all_reduce")
+
+
+def test_mesh_size_must_divide_the_xla_devices(model_and_reference):
     model, inputs, _ = model_and_reference
-    with pytest.raises(XlaBackendError, match="CPU_NUM_DEVICES=2"):
-        partitioner.partition(model, {"tp": 2}, ((), inputs)).compile(backend="xla")
+    with pytest.raises(XlaBackendError, match="do not divide XLA's 4; on CPU start with .*CPU_NUM_DEVICES=3"):
+        partitioner.partition(tiny_h3(num_attention_heads=3), {"tp": 3}, ((), inputs)).compile(backend="xla")
 
 
 def test_counts_on_tiny_h3_are_those_the_readme_gives(model_and_reference):
