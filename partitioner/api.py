@@ -93,6 +93,13 @@ class Partitioned:
     def report(self) -> Report:
         return build_report(self.graph_module, self.ctx)
 
+    def collective_counts(self) -> Counter:
+        """How many collectives of each (kind, mesh axis) one rank's program runs."""
+        counts = Counter()
+        for stat in self.report().collectives:
+            counts[(stat.kind, stat.axis)] += stat.count
+        return counts
+
     def compile(self, backend: str = "eager", **options):
         """A callable taking the model's forward arguments and returning what its forward returns.
         ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (checks its rules,
@@ -130,10 +137,8 @@ class Partitioned:
         if meta:
             raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
                                "needs real weights to run: use a model with weights, or load_weights(checkpoint)")
-        planned = Counter()
-        for c in self.report().collectives:
-            planned[(c.kind, c.axis)] += c.count
-        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=planned, verify=verify)
+        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
+                                     verify=verify)
         state = [state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
         return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
 

@@ -1,8 +1,8 @@
 """``torch.compile(model, backend="partitioner", options={"mesh": mesh, ...})``.
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so it resolves after a plain
-install without importing this package first. Options: ``mesh`` (required: a DeviceMesh), ``backend`` ("eager" or
-"inductor", default "eager"), ``plan`` (``_tp_plan``-style overrides), ``dump_dir``, ``compile_options`` (for the
+install without importing this package first. Options: ``mesh`` (required: a DeviceMesh, or axis sizes for
+"xla"), ``backend`` ("eager", "inductor" or "xla", default "eager"), ``plan`` (``_tp_plan``-style overrides), ``dump_dir``, ``compile_options`` (for the
 inner backend, e.g. ``{"regional": False}``).
 
 Dynamo hands over each captured graph with the model's parameters and buffers lifted as inputs. The backend
@@ -82,10 +82,22 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
                     inspect.signature(gm.forward))
     partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
                                    dump_dir=options.get("dump_dir"))
-    lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
-                                                           **options.get("compile_options", {}))
+    if options.get("backend") == "xla":  # one process drives every device: the global plan, whole tensors
+        from . import xla
+
+        if partitioned.global_state is None:
+            raise ValueError("backend 'xla' drives every device from one process: give the mesh as axis sizes, "
+                             f"e.g. options={{'mesh': {mesh.sizes}, 'backend': 'xla'}}")
+
+        lowered = xla.lower(partitioned.planned_graph, mesh=mesh, planned_collectives=partitioned.collective_counts(),
+                            **options.get("compile_options", {}))
+        tensors = {name: tensor.detach().cpu() for name, tensor in partitioned.global_state.items()}
+    else:
+        lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
+                                                               **options.get("compile_options", {}))
+        tensors = partitioned.state
     # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
-    sources = [(None, partitioned.state[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
+    sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
     del example_inputs, state, traced  # keep no reference to the full parameters
 
     def run(*args):

@@ -48,13 +48,6 @@ def model_and_reference():
         return model, inputs, model(**inputs, return_dict=False)
 
 
-def _planned_collectives(partitioned) -> Counter:
-    planned = Counter()
-    for stat in partitioned.report().collectives:
-        planned[(stat.kind, stat.axis)] += stat.count
-    return planned
-
-
 CASES = [(name, layout) for name in sorted(MODELS) for layout in sorted(MESHES)
          if (name, layout) != ("h3_six_heads", "tp4")]  # 6 heads do not split over TP=4 (a PartitionError)
 
@@ -74,7 +67,7 @@ def test_numerics_and_collectives_match_the_plan(name, layout):
     mesh = partitioned.mesh
     # The built-in check, restated: every collective XLA inserted runs over one of the mesh axis's groups, and
     # the counts per (kind, axis) are the plan's.
-    assert Counter((c.kind, axis_of(c.groups, mesh)) for c in found) == _planned_collectives(partitioned)
+    assert Counter((c.kind, axis_of(c.groups, mesh)) for c in found) == partitioned.collective_counts()
     assert found and compiled.stats.mismatches == []
     kinds = {c.kind for c in found}
     if "tp" in MESHES[layout]:
@@ -233,4 +226,16 @@ def test_verify_after_an_unverified_compile_of_the_same_graph_says_why():
     partitioned.compile(backend="xla", verify=False)(x)
     with pytest.raises(XlaBackendError, match="reused this graph, compiled earlier in this process without verify"):
         partitioned.compile(backend="xla")(x)
+
+
+def test_torch_compile_with_the_xla_backend():
+    """torch.compile(model, backend="partitioner", options={"mesh": {...}, "backend": "xla"}): dynamo's graph,
+    planned and handed to XLA SPMD, verified like any other."""
+    factory, inputs = idiom_cases()["split_sizes"]
+    torch.manual_seed(0)
+    model = factory().eval()
+    with torch.no_grad():
+        expected = model(**inputs)
+        compiled = torch.compile(model, backend="partitioner", options={"mesh": {"tp": 4}, "backend": "xla"})
+        torch.testing.assert_close(compiled(**inputs), expected, **TOLERANCE)
 
