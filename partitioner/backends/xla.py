@@ -273,6 +273,22 @@ def _cat_as_packed(tensors, dim: int, placement: PackedShard, ranks: int) -> Pac
     return Packed.from_blocks(tensors, dim, ranks)
 
 
+def _annotate(value, placements: dict, xs, xla_mesh, mesh_axes, *, mark: bool = False):
+    """Annotate ``value`` (returned) with ``placements`` where XLA can express them: ``mark_sharding`` for data put
+    on the device, a custom sharding annotation for values computed in the graph."""
+    if isinstance(value, Packed):
+        tensor, spec = value.tensor, packed_spec(placements, value.tensor.dim() - 1, mesh_axes)
+    elif isinstance(value, Nested):
+        tensor, spec = value.tensor, partition_spec(placements, value.tensor.dim(), mesh_axes)
+    elif isinstance(value, torch.Tensor) and value.dim():
+        tensor, spec = value, partition_spec(placements, value.dim(), mesh_axes)
+    else:
+        return value
+    if spec is not None:
+        (xs.mark_sharding if mark else xs.annotate_custom_sharding)(tensor, xla_mesh, spec)
+    return value
+
+
 class _Annotator(Interpreter):
     """Runs the planned graph on XLA tensors, annotating every value and every redistributed edge."""
 
@@ -281,21 +297,8 @@ class _Annotator(Interpreter):
         self.xs, self.xla_mesh, self.mesh, self.mesh_axes = xs, xla_mesh, mesh, mesh.axis_names
         self.copies: dict[tuple[Node, tuple], object] = {}  # (producer, required placements) -> annotated copy
 
-    def _annotate(self, value, placements: dict, *, mark: bool = False):
-        """Annotate ``value`` (returned) with ``placements`` where XLA can express them: ``mark_sharding`` for graph
-        inputs, a custom sharding annotation for values computed in the graph."""
-        if isinstance(value, Packed):
-            tensor, spec = value.tensor, packed_spec(placements, value.tensor.dim() - 1, self.mesh_axes)
-        elif isinstance(value, Nested):
-            tensor, spec = value.tensor, partition_spec(placements, value.tensor.dim(), self.mesh_axes)
-        elif isinstance(value, torch.Tensor) and value.dim():
-            tensor, spec = value, partition_spec(placements, value.dim(), self.mesh_axes)
-        else:
-            return value
-        if spec is not None:
-            annotate = self.xs.mark_sharding if mark else self.xs.annotate_custom_sharding
-            annotate(tensor, self.xla_mesh, spec)
-        return value
+    def _annotate(self, value, placements: dict):
+        return _annotate(value, placements, self.xs, self.xla_mesh, self.mesh_axes)
 
     def _as_required(self, producer: Node, consumer: Node):
         """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
@@ -334,7 +337,7 @@ class _Annotator(Interpreter):
 
     def run_node(self, node: Node):
         if node.op == "placeholder":
-            return self._annotate(next(self.args_iter), node.meta.get("placements", {}), mark=True)
+            return next(self.args_iter)  # on the device and marked already (XlaProgram._on_device)
         if node.op != "call_function":
             return super().run_node(node)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._as_required(p, node))
@@ -505,22 +508,33 @@ class XlaProgram:
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.stats = XlaStats()
         self.calls = 0
+        self.placed: dict[int, tuple] = {}  # input index -> ((id, version) of the host tensor, device value, it)
 
-    def _to_device(self, value, node: Node):
+    def _on_device(self, index: int, value, node: Node):
+        """Input ``index`` on the XLA devices, sharded as its placements say. A tensor passed again unchanged (a
+        weight: the same object, the same version) is reused, so weights move and are laid out once."""
         if not isinstance(value, torch.Tensor):
             return value
-        packed = _packed_placement(node.meta.get("placements", {}))
+        key = (id(value), value._version)
+        if self.placed.get(index, (None,))[0] == key:
+            return self.placed[index][1]
+        placements = node.meta.get("placements", {})
+        packed = _packed_placement(placements)
         if packed is not None:  # laid out rank-major on the host, so the device never holds the fused layout
-            dim, ranks = packed.dim % value.dim(), _packed_ranks(node.meta["placements"], self.mesh)
+            dim, ranks = packed.dim % value.dim(), _packed_ranks(placements, self.mesh)
             host = Packed.from_blocks(value.split(list(packed.blocks), dim), dim, ranks)
-            return Packed(host.tensor.to(self.device), dim, host.blocks)
-        return value.to(self.device)
+            placed = Packed(host.tensor.to(self.device), dim, host.blocks)
+        else:
+            placed = value.to(self.device)
+        placed = _annotate(placed, placements, self.xs, self.xla_mesh, self.mesh.axis_names, mark=True)
+        self.placed[index] = (key, placed, value)  # holding value keeps its id from being reused
+        return placed
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.placeholders):
             raise XlaBackendError(f"expected {len(self.placeholders)} inputs, got {len(inputs)}")
         before = self._dumped() if self._verifying() else set()
-        args = [self._to_device(value, node) for value, node in zip(inputs, self.placeholders)]
+        args = [self._on_device(i, value, node) for i, (value, node) in enumerate(zip(inputs, self.placeholders))]
         annotator = _Annotator(self.gm, self.xs, self.xla_mesh, self.mesh)
         with torch.no_grad():  # an inference graph: no autograd record on the XLA tensors
             outputs = annotator.run(*args)

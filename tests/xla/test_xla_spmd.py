@@ -239,3 +239,19 @@ def test_torch_compile_with_the_xla_backend():
         compiled = torch.compile(model, backend="partitioner", options={"mesh": {"tp": 4}, "backend": "xla"})
         torch.testing.assert_close(compiled(**inputs), expected, **TOLERANCE)
 
+
+
+def test_weights_move_to_the_devices_once():
+    """Later calls reuse the sharded weights on the devices; a weight changed in place is moved again."""
+    model, inputs = _h3()  # its own model: the weights are changed below
+    compiled = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs)).compile(backend="xla")
+    first = compiled(**inputs, return_dict=False)
+    placed = {index: entry[1] for index, entry in compiled.lowered.placed.items()}
+    compiled(**inputs, return_dict=False)
+    weights = range(len(compiled.state))
+    assert all(compiled.lowered.placed[i][1] is placed[i] for i in weights)
+    with torch.no_grad():
+        compiled.state[0].mul_(2)
+    changed = compiled(**inputs, return_dict=False)
+    assert compiled.lowered.placed[0][1] is not placed[0]
+    assert not torch.equal(changed[0], first[0])
