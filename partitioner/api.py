@@ -102,17 +102,15 @@ class Partitioned:
 
     def compile(self, backend: str = "eager", **options):
         """A callable taking the model's forward arguments and returning what its forward returns.
-        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (checks its rules,
-        then needs torch-neuronx) or "xla" (one process drives every device through XLA SPMD; option ``verify``)."""
+        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (legalises and checks
+        its rules, then needs torch-neuronx; options ``pad_sequence``, ``text_rows``) or "xla" (one process drives
+        every device through XLA SPMD; option ``verify``)."""
         if backend == "xla":
             return self._compile_xla(**options)
         if not self.mesh.runnable:
             raise RuntimeError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
                                "a DeviceMesh on initialised process groups")
-        meta = [name for name, t in self.state.items() if t.is_meta]
-        if meta:
-            raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
-                               "needs real weights to run")
+        _require_weights(self.state, "")
         tensor_inputs = [gi.target for gi in self.ctx.inputs if gi.is_model_tensor]
         devices = {t.device for t in self.state.values()}
         if len(devices) > 1:
@@ -133,14 +131,18 @@ class Partitioned:
             expected, computed = self._checkpoint_tensors()
             state = load_shards(path, expected, {}, self.mesh, strict=strict)
             state.update({name: self.global_state[name] for name in computed})
-        meta = [name for name, t in state.items() if t.is_meta]
-        if meta:
-            raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition "
-                               "needs real weights to run: use a model with weights, or load_weights(checkpoint)")
+        _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
         lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
                                      verify=verify)
         state = [state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
         return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
+
+
+def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:
+    meta = [name for name, t in state.items() if t.is_meta]
+    if meta:
+        raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition needs real "
+                           f"weights to run{advice}")
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:

@@ -229,25 +229,6 @@ def test_padded_attention_is_exact_on_tiny_h3():
         assert after == []
 
 
-class Sdpa(nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
-
-
-def test_padding_copies_a_key_so_very_negative_scores_stay_exact():
-    """Every score -400 (10 x -10 x 16 channels / sqrt(16)): padding with zero keys (score 0) would leave
-    exp(-400) = 0 in o1 and o2 and a NaN ratio; copies of a real key share the real maximum and keep o2 >= 1/(1+P).
-    Queries and keys of different lengths (7 and 300). Measured error 4e-8."""
-    q, k, v = torch.full((1, 2, 7, 16), 10.0), torch.full((1, 2, 300, 16), -10.0), torch.randn(1, 2, 300, 16)
-    gm = partitioner.partition(Sdpa(), {"tp": 1}, ((q, k, v), {})).graph_module
-    legal = neuron.legalize(gm, pad_sequence=True)
-    torch.testing.assert_close(legal(q, k, v)[0], gm(q, k, v)[0], rtol=0, atol=1e-5)
-    pad = lambda x: F.pad(x, (0, 0, 0, 512 - x.shape[-2]))  # noqa: E731
-    zero_keys = F.scaled_dot_product_attention(pad(q), pad(k), pad(v)) / \
-        F.scaled_dot_product_attention(pad(q), pad(k), pad(torch.ones_like(v)))
-    assert zero_keys[..., :7, :].isnan().all()
-
-
 class SdpaWith(nn.Module):
     def __init__(self, **options):
         super().__init__()
@@ -255,6 +236,20 @@ class SdpaWith(nn.Module):
 
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, **self.options)
+
+
+def test_padding_copies_a_key_so_very_negative_scores_stay_exact():
+    """Every score -400 (10 x -10 x 16 channels / sqrt(16)): padding with zero keys (score 0) would leave
+    exp(-400) = 0 in o1 and o2 and a NaN ratio; copies of a real key share the real maximum and keep o2 >= 1/(1+P).
+    Queries and keys of different lengths (7 and 300). Measured error 4e-8."""
+    q, k, v = torch.full((1, 2, 7, 16), 10.0), torch.full((1, 2, 300, 16), -10.0), torch.randn(1, 2, 300, 16)
+    gm = partitioner.partition(SdpaWith(), {"tp": 1}, ((q, k, v), {})).graph_module
+    legal = neuron.legalize(gm, pad_sequence=True)
+    torch.testing.assert_close(legal(q, k, v)[0], gm(q, k, v)[0], rtol=0, atol=1e-5)
+    pad = lambda x: F.pad(x, (0, 0, 0, 512 - x.shape[-2]))  # noqa: E731
+    zero_keys = F.scaled_dot_product_attention(pad(q), pad(k), pad(v)) / \
+        F.scaled_dot_product_attention(pad(q), pad(k), pad(torch.ones_like(v)))
+    assert zero_keys[..., :7, :].isnan().all()
 
 
 PADDING_CASES = {  # (q, k, v shapes, sdpa options); every error measured at or below 1.1e-6
