@@ -121,7 +121,13 @@ class Partitioned:
                                  self.model_name, self.ctx.host)
 
     def _compile_xla(self, verify: bool | str = True):
-        """XLA SPMD partitions the global graph itself, from the plan's placements; it takes full tensors."""
+        lowered, state = self.lower_xla(verify=verify)
+        tensors = [state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
+        return CompiledPartition(lowered, self.traced, tensors, self.model_name, self.ctx.host)
+
+    def lower_xla(self, verify: bool | str = True):
+        """The XLA program of the global plan (XLA SPMD partitions it itself) and the whole tensors it takes, by
+        name, on the CPU."""
         if self.global_state is None:
             raise RuntimeError("backend='xla' drives every device from one process: partition with the mesh as "
                                f"axis sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
@@ -134,8 +140,7 @@ class Partitioned:
         _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
         lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
                                      verify=verify)
-        state = [state[gi.target].detach().cpu() for gi in self.ctx.inputs if gi.is_model_tensor]
-        return CompiledPartition(lowered, self.traced, state, self.model_name, self.ctx.host)
+        return lowered, {name: tensor.detach().cpu() for name, tensor in state.items()}
 
 
 def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:

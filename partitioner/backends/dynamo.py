@@ -83,22 +83,17 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
                                    dump_dir=options.get("dump_dir"))
     if options.get("backend") == "xla":  # one process drives every device: the global plan, whole tensors
-        from . import xla
-
         if partitioned.global_state is None:
             raise ValueError("backend 'xla' drives every device from one process: give the mesh as axis sizes, "
                              f"e.g. options={{'mesh': {mesh.sizes}, 'backend': 'xla'}}")
-
-        lowered = xla.lower(partitioned.planned_graph, mesh=mesh, planned_collectives=partitioned.collective_counts(),
-                            **options.get("compile_options", {}))
-        tensors = {name: tensor.detach().cpu() for name, tensor in partitioned.global_state.items()}
+        lowered, tensors = partitioned.lower_xla(**options.get("compile_options", {}))
     else:
         lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
                                                                **options.get("compile_options", {}))
         tensors = partitioned.state
     # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
     sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
-    del example_inputs, state, traced  # keep no reference to the full parameters
+    del example_inputs, state, traced  # keep no reference to the full parameters (but XLA's, which it runs)
 
     def run(*args):
         return lowered(*(value if position is None else args[position] for position, value in sources))
