@@ -102,23 +102,23 @@ def run(gm: GraphModule) -> GraphModule:
 
 def cast_inputs(fn, gm: GraphModule):
     """``fn`` (``gm`` lowered) called with ``gm``'s inputs as they were before narrowing: each narrowed int64
-    argument is checked to fit int32 and cast. An argument passed again as the same tensor (a model buffer) is
-    checked and cast once."""
+    argument is checked to fit int32 and cast. An argument passed again as the same, unchanged tensor (a model
+    buffer) is checked and cast once."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     narrowed = [(i, node.name, node.meta.get("nonnegative")) for i, node in enumerate(placeholders)
                 if "narrowed_from" in node.meta]
     if not narrowed:
         return fn
-    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    last: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (argument, its version, cast)
 
     def call(*args):
         args = list(args)
         for i, name, nonnegative in narrowed:
-            if i in last and last[i][0] is args[i]:
-                args[i] = last[i][1]
+            if i in last and last[i][0] is args[i] and last[i][1] == args[i]._version:  # unchanged since
+                args[i] = last[i][2]
                 continue
             cast = to_int32(args[i], name, nonnegative)
-            last[i] = (args[i], cast)
+            last[i] = (args[i], args[i]._version, cast)
             args[i] = cast
         return fn(*args)
 
