@@ -3,12 +3,12 @@
 from .api import Partitioned, partition
 from .backends.neuron import NeuronLegalityError
 from .backends.xla import CollectiveMismatch, XlaBackendError
-from .checkpoint import CheckpointError
-from .mesh import MeshError
+from .errors import (BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError, MissingWeights,
+                     NotFound, PartitionError, PartitionerError, PartitionWarning, PartitionUnusable, RankDisagreement, TraceError,
+                     VerificationError)
 from .placement import PackedShard
-from .rules import PartitionError
-from .runtime import InputError
-from .trace import TraceError
 
-__all__ = ["CheckpointError", "CollectiveMismatch", "InputError", "MeshError", "NeuronLegalityError", "PackedShard",
-           "PartitionError", "Partitioned", "TraceError", "XlaBackendError", "partition"]
+__all__ = ["BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
+           "MissingWeights", "NeuronLegalityError", "NotFound", "PackedShard", "PartitionError", "PartitionUnusable", "PartitionWarning",
+           "Partitioned", "PartitionerError", "RankDisagreement", "TraceError", "VerificationError",
+           "XlaBackendError", "partition"]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import weakref
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from . import backends
-from .checkpoint import CheckpointError, load_shards
+from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
+from .checkpoint import load_shards
+from .errors import BackendError, CheckpointError, MissingWeights, NotFound, VerificationError
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
@@ -35,6 +40,9 @@ class Partitioned:
         # DeviceMesh rank keeps only its shards, so the model can be freed.
         self.global_state = traced.state if not ctx.mesh.runnable else None
         self.checkpoint = None  # (path, strict) of the last load_weights
+        self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
+        self.source = None  # weak reference to the model, for verify()
+        self._whole = None  # whole tensors for XLA, read again after load_weights
         traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
@@ -49,7 +57,13 @@ class Partitioned:
         shards.update({name: self.state[name] for name in computed})
         self.state = {name: tensor.to(device) for name, tensor in shards.items()}
         self.checkpoint = (path, strict)
+        self._whole = None
         return self
+
+    def rank_tensors(self) -> list[torch.Tensor]:
+        """This rank's tensors in the order the program takes them: what compiled callables read at every call, so
+        that ``load_weights`` after ``compile`` takes effect."""
+        return [self.state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
 
     def _checkpoint_tensors(self) -> tuple[dict, list[str]]:
         """What a checkpoint must hold (name -> global shape and dtype), and the buffers computed instead."""
@@ -82,13 +96,35 @@ class Partitioned:
         """The decision for every Linear: module path -> colwise / colwise packed [...] / rowwise / replicate."""
         return self.ctx.linear_styles
 
-    def explain(self, module_path: str) -> str:
-        """Why a Linear was planned the way it was."""
+    def explain(self, module_path: str | None = None) -> str:
+        """Why a Linear was planned the way it was, or whether an attention module is sequence-sharded and why not;
+        with no path, every decision, a line each."""
+        if module_path is None:
+            return "\n".join(self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention])
+        if module_path in self.ctx.sequence_attention:
+            return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
         style = self.ctx.linear_styles.get(module_path)
         if style is None:
-            raise KeyError(f"no Linear at {module_path!r}")
+            known = sorted([*self.ctx.linear_styles, *self.ctx.sequence_attention])
+            raise NotFound(f"no Linear or attention module at {module_path!r}; known modules look like "
+                                   f"{known[:3]}")
         reason = self.ctx.replicated_because.get(module_path)
         return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "")
+
+    def verify(self, *args, rtol: float = 1e-4, atol: float = 1e-5, **kwargs):
+        """Run this rank's program and the unpartitioned model on the same forward arguments and compare every
+        value this rank computes with the model's, cut to this rank's part. On a difference, raise
+        ``VerificationError`` on every rank naming the first node that differs (its model source line, its
+        placements and the pass that decided them, the error). Every rank must call it; the model passed to
+        ``partition`` must still be alive. Returns what was compared. ``rtol``/``atol`` are relative to the
+        reference's magnitude (loosen them for bf16)."""
+        from .verify import verify
+
+        model = self.source() if self.source is not None else None
+        if model is None:
+            raise VerificationError("verify compares with the model given to partition(), which is gone: keep a "
+                                    "reference to it while verifying")
+        return verify(self, model, args, kwargs, rtol=rtol, atol=atol)
 
     def report(self) -> Report:
         return build_report(self.graph_module, self.ctx)
@@ -108,46 +144,55 @@ class Partitioned:
         if backend == "xla":
             return self._compile_xla(**options)
         if not self.mesh.runnable:
-            raise RuntimeError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
+            raise BackendError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
                                "a DeviceMesh on initialised process groups")
         _require_weights(self.state, "")
-        tensor_inputs = [gi.target for gi in self.ctx.inputs if gi.is_model_tensor]
         devices = {t.device for t in self.state.values()}
         if len(devices) > 1:
-            raise RuntimeError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
+            raise BackendError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
         lowered = backends.get(backend)(self.graph_module, mesh=self.mesh, **options)
-        return CompiledPartition(lowered, self.traced, [self.state[name] for name in tensor_inputs],
-                                 self.model_name, self.ctx.host)
+        return CompiledPartition(lowered, self, backend)
 
     def _compile_xla(self, verify: bool | str = True):
-        lowered, state = self.lower_xla(verify=verify)
-        tensors = [state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
-        return CompiledPartition(lowered, self.traced, tensors, self.model_name, self.ctx.host)
+        lowered, _ = self.lower_xla(verify=verify)
+        return CompiledPartition(lowered, self, "xla", tensors=self.whole_tensors)
+
+    def whole_tensors(self) -> list[torch.Tensor]:
+        """The model's whole tensors in program order, on the CPU (what XLA SPMD takes); read again after
+        ``load_weights``."""
+        if self._whole is None:
+            state = self._whole_state()
+            self._whole = [state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
+        return self._whole
 
     def lower_xla(self, verify: bool | str = True):
         """The XLA program of the global plan (XLA SPMD partitions it itself) and the whole tensors it takes, by
         name, on the CPU."""
+        state = self._whole_state()
+        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
+                                     verify=verify)
+        return lowered, state
+
+    def _whole_state(self) -> dict[str, torch.Tensor]:
         if self.global_state is None:
-            raise RuntimeError("backend='xla' drives every device from one process: partition with the mesh as "
+            raise BackendError("backend='xla' drives every device from one process: partition with the mesh as "
                                f"axis sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
         state = self.global_state
-        if any(t.is_meta for t in state.values()) and self.checkpoint is not None:  # a meta model: read it whole
+        if self.checkpoint is not None:  # the checkpoint last loaded, read whole
             path, strict = self.checkpoint
             expected, computed = self._checkpoint_tensors()
             state = load_shards(path, expected, {}, self.mesh, strict=strict)
             state.update({name: self.global_state[name] for name in computed})
         _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
-        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
-                                     verify=verify)
-        return lowered, {name: tensor.detach().cpu() for name, tensor in state.items()}
+        return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
 
 def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:
     meta = [name for name, t in state.items() if t.is_meta]
     if meta:
-        raise RuntimeError(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition needs real "
-                           f"weights to run{advice}")
+        raise MissingWeights(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition needs "
+                              f"real weights to run{advice}")
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -169,7 +214,7 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
-              backend_checks: str | dict | None = None) -> Partitioned:
+              backend_checks: str | dict | None = None, timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
@@ -180,14 +225,57 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
     ``NeuronLegalityError`` lists every problem with its fix); ``{"neuron": {"pad_sequence": True}}`` checks it as
     ``compile(backend="neuron", pad_sequence=True)`` will build it.
+
+    On a DeviceMesh every rank must call ``partition`` (it creates the partition's process groups, whose every
+    collective is bounded by ``timeout`` seconds) and the ranks compare their plans: a rank that built another plan
+    or failed to build one raises ``RankDisagreement`` on every rank.
     """
-    spec = as_mesh_spec(mesh, rank)
-    traced = trace(model, example_inputs)
-    _compute_meta_buffers(model, traced)
-    partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds)
-    if backend_checks is not None:
-        _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
+    spec, groups = mesh_with_groups(mesh, rank, timeout)
+
+    def build() -> Partitioned:
+        traced = trace(model, example_inputs)
+        _compute_meta_buffers(model, traced)
+        partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
+                                       bounds=bounds)
+        if backend_checks is not None:
+            _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
+        return partitioned
+
+    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks)
+    partitioned = build_agreed(build, spec, groups, options)
+    partitioned.source = weakref.ref(model)
     return partitioned
+
+
+def mesh_with_groups(mesh, rank: int, timeout: float):
+    """The mesh spec, and for a DeviceMesh the partition's own process groups (collectives bounded by ``timeout``),
+    which the spec's group names then point at."""
+    spec = as_mesh_spec(mesh, rank)
+    groups = bounded_groups(spec.axis_names, spec.axis_sizes, timeout, spec.runnable)
+    if groups is not None:
+        spec = dataclasses.replace(spec, group_names=groups.axes)
+    return spec, groups
+
+
+def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
+    """``build()`` on every rank, then the ranks compare their plans (or learn which rank failed) before any
+    program runs; the partition's calls are then guarded by the same groups."""
+    partitioned, failure = None, None
+    try:
+        partitioned = build()
+    except Exception as error:  # every rank learns that this one failed, instead of waiting for it
+        failure = error
+    header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
+    agree_on_plan(groups, _plan_lines(partitioned, header) if partitioned is not None else None, failure)
+    partitioned.guard = CallGuard(groups, spec.device)
+    return partitioned
+
+
+def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
+    """The plan ranks compare: the global graph with its placements and shapes; device indices left out (each
+    rank has its own GPU)."""
+    device = re.compile(r"device\(type='(\w+)', index=\d+\)")
+    return [device.sub(r"device(type='\1')", line) for line in plan_lines(partitioned.planned_graph, header)]
 
 
 def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
@@ -217,10 +305,20 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     dump("export", gm, ctx)
     for name, run_pass in PLAN:
         gm = run_pass(gm, ctx)
+        _record_placed_by(gm, name)
         dump(name, gm, ctx, {"prologue": ctx.host.prologue} if name == "hoist_host" and ctx.host else None)
     planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
     for name, run_pass in TO_RANK:
         gm = run_pass(gm, ctx)
+        _record_placed_by(gm, name)
         dump(name, gm, ctx)
     traced.graph_module, traced.inputs = gm, ctx.inputs
     return Partitioned(model_name, traced, ctx, planned)
+
+
+def _record_placed_by(gm: torch.fx.GraphModule, pass_name: str) -> None:
+    """Remember which pass first gave each value its placement on each axis (``verify`` names it)."""
+    for node in gm.graph.nodes:
+        placed_by = node.meta.setdefault("placed_by", {})
+        for axis in node.meta.get("placements", {}):
+            placed_by.setdefault(axis, pass_name)

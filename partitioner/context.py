@@ -24,6 +24,7 @@ class PassContext:
     attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
     sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
+    sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
 
     def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:

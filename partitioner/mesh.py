@@ -16,11 +16,9 @@ from typing import Mapping
 
 import torch
 
+from .errors import MeshError
+
 KNOWN_AXES = ("tp", "ulysses")
-
-
-class MeshError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from .errors import PartitionError
 from .placement import PackedShard, Partial, Replicate, Shard, is_sharded
 
 aten = torch.ops.aten
@@ -30,10 +31,6 @@ R = Replicate()
 
 class Unshardable(Exception):
     """A sharded value reached an op that cannot carry it."""
-
-
-class PartitionError(ValueError):
-    """The requested partition is impossible (e.g. a TP degree that does not divide a head count)."""
 
 
 @dataclass(frozen=True)
@@ -485,13 +482,14 @@ def make_sequence_attention(axis: str) -> Callable:
         where = info.module if info is not None else node.name
         # More ranks than the heads a tp rank holds is correct but leaves ranks without heads; more ranks than
         # the model has heads is refused.
+        # Too few heads or rows for the degree: this attention is left whole (the planner records why).
         heads = shape_of(q)[1]
         if heads < axis_size:
-            raise PartitionError(f"{where}: {heads} attention heads cannot be spread over a {axis} degree of "
-                                 f"{axis_size}; use a degree of at most {heads}")
+            raise Unshardable(f"{where}: {heads} attention heads cannot be spread over a {axis} degree of "
+                              f"{axis_size} (at most {heads})")
         if shape_of(q)[2] < axis_size:
-            raise PartitionError(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
-                                 f"degree of {axis_size}")
+            raise Unshardable(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
+                              f"degree of {axis_size}")
         return Decision(Shard(1), {q: Shard(1), k: Shard(1), v: Shard(1)}, visible=Shard(2))
     return sequence_attention
 
@@ -529,6 +527,34 @@ def pointwise_on(node: Node, placements, operands) -> Decision:
     for n in operands:
         inputs[n] = out
     return Decision(out, inputs)
+
+
+def scatter_into(node: Node, placements, axis_size: int) -> Decision:
+    """slice_scatter / select_scatter (what functionalization makes of ``x[..., a:b] = y``): ``src`` is written
+    into a slice of ``self`` along ``dim``. Along any other dim the two are sharded alike, row for row."""
+    target, src, dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0
+    ndim = len(shape_of(node))
+    dim = _norm_dim(dim, ndim)
+    sharded = {n: placements[n] for n in (target, src) if is_sharded(placements.get(n, R))}
+    inputs = {n: R for n in node.all_input_nodes}
+    if not sharded:
+        return Decision(R, inputs)
+    if any(isinstance(p, PackedShard) for p in sharded.values()):
+        raise Unshardable(f"{node.target.__name__} of a packed value")
+    selected = node.target is aten.select_scatter.default  # src lacks ``dim``
+    as_target = {target: placements.get(target, R)} if target in sharded else {}
+    if src in sharded:
+        src_dim = sharded[src].dim
+        as_target[src] = Shard(src_dim + (selected and src_dim >= dim))
+    dims = {p.dim for p in as_target.values()}
+    if len(dims) != 1:
+        raise Unshardable(f"{node.target.__name__} of values sharded on different dims {sorted(dims)}")
+    out_dim = dims.pop()
+    if out_dim == dim:
+        raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
+    inputs[target] = Shard(out_dim)
+    inputs[src] = Shard(out_dim - (selected and out_dim > dim))
+    return Decision(Shard(out_dim), inputs)
 
 
 def unary(node: Node, placements, axis_size: int) -> Decision:
@@ -575,6 +601,9 @@ RULES: dict[object, Callable] = {
     aten.empty_like.default: unary,
     aten.full_like.default: unary,
     aten.index_copy.default: index_copy,
+    aten.slice_scatter.default: scatter_into,
+    aten.select_scatter.default: scatter_into,
+    aten.copy.default: pointwise,  # self's shape, src's values broadcast into it
     aten.to.dtype: unary,
     aten.to.dtype_layout: unary,
     aten._to_copy.default: unary,
@@ -598,6 +627,8 @@ def rule_for(node: Node, roles: LinearRoles | None = None, sequence_axis: str | 
     if node.op == "output":
         return graph_output
     target = node.target
+    if getattr(getattr(target, "_schema", None), "is_mutable", False):
+        return no_rule  # trace functionalizes; a write in place that is left is never carried
     if target is aten.linear.default:
         return row_local_linear if sequence_axis else make_linear_rule(roles)
     if target is aten.scaled_dot_product_attention.default and sequence_axis:

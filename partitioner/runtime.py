@@ -8,11 +8,11 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
+from .agreement import call_signature
+from .errors import InputError
 from .trace import Traced, bind_forward
 
 
-class InputError(ValueError):
-    pass
 
 
 def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -27,20 +27,36 @@ def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
 
 
 class CompiledPartition:
-    """``compiled(*args, **kwargs)`` flattens the forward arguments as at trace time, adds this rank's weight
-    shards, runs the lowered graph and rebuilds the forward's output (tuple or output dataclass)."""
+    """``compiled(*args, **kwargs)`` flattens the forward arguments as at trace time, checks them, agrees with the
+    other ranks that every rank accepts its call, adds this rank's weight shards, runs the lowered graph and
+    rebuilds the forward's output (tuple or output dataclass).
 
-    def __init__(self, lowered: Callable, traced: Traced, state: list[torch.Tensor], owner: str, host=None):
+    The weights are read from the partition at every call (``tensors``, default ``Partitioned.rank_tensors``), so
+    ``Partitioned.load_weights`` after compile takes effect."""
+
+    def __init__(self, lowered: Callable, partitioned, backend: str, tensors: Callable | None = None):
+        from .preflight import Preflight
+
         self.lowered = lowered
-        self.host = host  # HostProgram: data-dependent ops run on the CPU before the device graph
+        self.partitioned = partitioned
+        self.backend = backend
+        self.tensors = tensors or partitioned.rank_tensors
+        self.host = partitioned.ctx.host  # HostProgram: data-dependent ops run on the CPU before the device graph
         self.stats = getattr(lowered, "stats", None)  # compilation counts, for backends that compile
-        self.traced = traced
-        self.state = state  # this rank's tensors, in placeholder order
+        self.traced = traced = partitioned.traced
+        self.owner = partitioned.model_name
+        self.guard = partitioned.guard
+        state = self.tensors()
+        self.has_state = bool(state)
         self.device = state[0].device if state else torch.device("cpu")  # where this rank computes
-        self.owner = owner
         self.user_index = [gi.target for gi in traced.inputs if gi.kind == "user"]
         placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
+        self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, input_names(traced.in_spec))
+
+    @property
+    def state(self) -> list[torch.Tensor]:
+        return self.tensors()
 
     def flatten(self, args, kwargs) -> tuple[list, list, bool | None]:
         """All flattened forward arguments, those the device graph takes, and the call's return_dict."""
@@ -68,7 +84,7 @@ class CompiledPartition:
             if tuple(value.shape) != tuple(expected.shape) or value.dtype != expected.dtype:
                 raise InputError(f"{self.owner}: {names[index]} is {_tensor(value)}, traced with {_tensor(expected)}; "
                                  "this partition is static-shaped, partition again")
-            if self.state and value.device != self.device:
+            if self.has_state and value.device != self.device:
                 raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on "
                                  f"{self.device}")
         return flat, [flat[i] for i in self.user_index], return_dict
@@ -100,15 +116,34 @@ class CompiledPartition:
         return padded, self.host.sizes(outputs)
 
     def __call__(self, *args, **kwargs):
-        flat, user, return_dict = self.flatten(args, kwargs)
-        hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
-        out = list(self.lowered(*self.state, *user, *hosted))
+        self.guard.check_usable()
+        problem, signature = None, 0
+        try:  # every check of this call, before its first collective
+            flat, user, return_dict = self.flatten(args, kwargs)
+            hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
+            self.preflight.check(flat, hosted)
+            if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
+                self.lowered.check_inputs(*self.tensors(), *user, *hosted)
+            signature = call_signature(flat)
+        except InputError as error:
+            problem = error
+        except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection
+            problem = InputError(f"{self.owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
+        self.guard.agree(problem, signature)
+        with self.guard.running([self.partitioned.graph_module, self.lowered]):
+            out = list(self.lowered(*self.tensors(), *user, *hosted))
         for index, dim, expression in self.host.trims if self.host is not None else ():
             out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
         if return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+def input_names(in_spec: pytree.TreeSpec) -> list[str]:
+    """The flattened forward arguments' names (``hidden_states``, ``image_rotary_emb[0]``), in flattening order."""
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * in_spec.num_leaves, in_spec))[0]
+    return [pytree.keystr(path[1:]).removeprefix("['").removesuffix("']") or "argument" for path, _ in leaves]
 
 
 def _describe(value) -> str:

@@ -72,6 +72,100 @@ def h3_inputs(config: dict, *, text: int = 5, video: int = 12, audio: int = 6, t
 
 
 
+# --- models that rotate q/k in place (CogVideoX, CogView4: `query[:, :, text:] = rotary(...)`) ---------------
+
+TINY_COGVIDEOX = dict(
+    num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
+    text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
+    max_text_seq_length=8, use_rotary_positional_embeddings=True,
+)
+
+TINY_COGVIEW4 = dict(
+    patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+    text_embed_dim=32, time_embed_dim=32, condition_dim=8, pos_embed_max_size=8, sample_size=8,
+    rope_axes_dim=(8, 8),
+)
+
+
+def tiny_cogvideox(seed: int = 0, **overrides):
+    """A small CogVideoX 1.0 (rotary; 2 blocks; 4 heads x 16), random weights."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(seed)
+    return CogVideoXTransformer3DModel(**{**TINY_COGVIDEOX, **overrides}).eval()
+
+
+def _crop_region(src, tgt_width, tgt_height):
+    # diffusers.pipelines.cogvideo.pipeline_cogvideox.get_resize_crop_region_for_grid, without the pipeline import.
+    h, w = src
+    if h / w > tgt_height / tgt_width:
+        resize_height, resize_width = tgt_height, int(round(tgt_height / h * w))
+    else:
+        resize_width, resize_height = tgt_width, int(round(tgt_width / w * h))
+    top, left = int(round((tgt_height - resize_height) / 2.0)), int(round((tgt_width - resize_width) / 2.0))
+    return (top, left), (top + resize_height, left + resize_width)
+
+
+def cogvideox_rotary(config, frames: int, height: int, width: int):
+    """(cos, sin), each (frames * height/p * width/p, head_dim), as CogVideoXPipeline builds it (latent sizes)."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    p, p_t = config["patch_size"], config.get("patch_size_t")
+    grid = (height // p, width // p)
+    base_w, base_h = config["sample_width"] // p, config["sample_height"] // p
+    dim = config["attention_head_dim"]
+    if p_t is None:  # CogVideoX 1.0
+        return get_3d_rotary_pos_embed(embed_dim=dim, crops_coords=_crop_region(grid, base_w, base_h), grid_size=grid,
+                                       temporal_size=frames)
+    return get_3d_rotary_pos_embed(embed_dim=dim, crops_coords=None, grid_size=grid,  # CogVideoX 1.5
+                                   temporal_size=(frames + p_t - 1) // p_t, grid_type="slice",
+                                   max_size=(base_h, base_w))
+
+
+def cogvideox_inputs(model, *, text: int = 8, frames: int = 4, height: int = 4, width: int = 4, batch: int = 1,
+                     rotary: bool = True, seed: int = 1) -> dict:
+    """Latent video (batch, frames, C, height, width) and `text` rows: frames*(height/p)*(width/p) video rows
+    (16 by default, a joint sequence of 24); e.g. frames=3, height=2, width=6 gives 9 (joint 17)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    kwargs = dict(hidden_states=torch.randn(batch, frames, cfg.in_channels, height, width, generator=g),
+                  encoder_hidden_states=torch.randn(batch, text, cfg.text_embed_dim, generator=g),
+                  timestep=torch.randint(0, 1000, (batch,), generator=g))
+    if rotary:
+        kwargs["image_rotary_emb"] = cogvideox_rotary(cfg, frames, height, width)
+    return kwargs
+
+
+def tiny_cogview4(seed: int = 0, **overrides):
+    """A small CogView4 (2 blocks; 4 heads x 16), random weights."""
+    from diffusers import CogView4Transformer2DModel
+
+    torch.manual_seed(seed)
+    return CogView4Transformer2DModel(**{**TINY_COGVIEW4, **overrides}).eval()
+
+
+def cogview4_inputs(model, *, text: int = 8, height: int = 8, width: int = 8, batch: int = 1, rotary: bool = False,
+                    text_mask: bool = False, seed: int = 1) -> dict:
+    """Latent image (batch, C, height, width) and `text` rows: (height/p)*(width/p) image rows (16 by default, a joint
+    sequence of 24). The pipeline lets the model build its rotary table (rotary=False); rotary=True passes the same
+    table in. text_mask=True adds a (batch, text) padding mask (last text row padded), the processor's masked path."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor([[height * 8.0, width * 8.0]]).expand(batch, 2)
+    kwargs = dict(hidden_states=torch.randn(batch, cfg.in_channels, height, width, generator=g),
+                  encoder_hidden_states=torch.randn(batch, text, cfg.text_embed_dim, generator=g),
+                  timestep=torch.rand(batch, generator=g) * 1000, original_size=size.clone(),
+                  target_size=size.clone(), crop_coords=torch.zeros(batch, 2))
+    if rotary:
+        with torch.no_grad():
+            kwargs["image_rotary_emb"] = model.rope(kwargs["hidden_states"])
+    if text_mask:
+        mask = torch.ones(batch, text, dtype=torch.int64)
+        mask[:, -1] = 0
+        kwargs["attention_mask"] = mask
+    return kwargs
+
+
 def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
     # Rendezvous through a file, not a TCP port: no race for a free port between parallel tests. Gloo's own
     # connections use loopback ports the OS assigns.
@@ -112,6 +206,82 @@ def run_ranks(world: int, fn, *args) -> list:
                 raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
             results.append(payload["ok"])
         return results
+
+
+
+@contextlib.contextmanager
+def broken_rule(target, rule):
+    """Test-only fault injection: plan with ``rule`` for the op ``target``, as a bug in a rule would (``verify``
+    must find what it breaks)."""
+    from . import rules
+
+    saved = rules.RULES.get(target)
+    rules.RULES[target] = rule
+    try:
+        yield
+    finally:
+        if saved is None:
+            del rules.RULES[target]
+        else:
+            rules.RULES[target] = saved
+
+
+def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    for fn, args in iter(tasks.get, None):
+        try:
+            results.put((rank, "ok", fn(rank, world, *args)))
+        except BaseException as error:  # reported to the test, which decides
+            results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class RankPool:
+    """``world`` gloo ranks kept alive between tasks, so that many small cases (a property test's examples) pay
+    for process start-up and imports once: ``pool.run(fn, *args)`` runs ``fn(rank, world, *args)`` on every rank
+    and returns the results in rank order. Use as a context manager."""
+
+    def __init__(self, world: int):
+        context = mp.get_context("spawn")
+        self.world, self.dir = world, tempfile.TemporaryDirectory()
+        self.tasks = [context.Queue() for _ in range(world)]
+        self.results = context.Queue()
+        self.processes = [context.Process(target=_pool_worker, daemon=True,
+                                          args=(rank, world, self.dir.name, self.tasks[rank], self.results))
+                          for rank in range(world)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn, *args, timeout: float = 300) -> list:
+        for queue in self.tasks:
+            queue.put((fn, args))
+        results = {}
+        for _ in range(self.world):
+            rank, kind, value = self.results.get(timeout=timeout)
+            if kind == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+        return [results[rank] for rank in range(self.world)]
+
+    def close(self) -> None:
+        for queue in self.tasks:
+            queue.put(None)
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        self.dir.cleanup()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # A realistic packed length for full-size H3: 512 text rows, 36864 video rows (e.g. 32 frames of 48 x 24 patches),

@@ -8,6 +8,7 @@ placeholder is, the pytree specs of the forward's inputs and outputs, and the mo
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +17,9 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
+from .errors import TraceError
 
-class TraceError(RuntimeError):
-    pass
+
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,35 @@ def _mutated_inputs(program) -> list[str]:
     return mutated
 
 
+def _writes_in_place(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [node for node in graph.nodes if node.op == "call_function"
+            and getattr(getattr(node.target, "_schema", None), "is_mutable", False)]
+
+
+def functionalize(program, owner: str):
+    """The program with every in-place write made explicit, when it has any.
+
+    Export's IR keeps in-place ops on intermediate values (a RoPE written as ``q[..., n:] = rotate(...)`` is a
+    ``copy_`` into a slice of q, with no user): the write is invisible to the data flow that every pass plans by, so
+    a collective placed after q, or a slice of q, would read q before the write. ``run_decompositions({})``
+    functionalizes (``copy_`` into a slice becomes ``slice_scatter``, which the attention then reads) and decomposes
+    nothing else. Graphs without in-place writes are returned as they are: functionalizing rewrites views and
+    costs seconds on large graphs."""
+    if not _writes_in_place(program.graph_module.graph):
+        return program
+    try:
+        program = program.run_decompositions({})
+    except Exception as error:  # functionalization raises many types; all mean the same to the user
+        raise TraceError(f"{owner}: the traced graph writes in place and could not be functionalized: "
+                         f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                         ) from error
+    left = _writes_in_place(program.graph_module.graph)
+    if left:  # a partition never runs a graph whose writes it cannot see
+        raise TraceError(f"{owner}: in-place ops {sorted({str(n.target) for n in left})} remain after "
+                         "functionalization; partition cannot place values that are written in place")
+    return program
+
+
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     """Remove what export leaves that describes the trace rather than the model:
     - ``_assert_tensor_metadata`` checks pin the trace-time device (meta, cpu), not the one a partition runs on;
@@ -129,7 +159,8 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
         raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
     try:
-        program = torch.export.export(model, (), kwargs=named)
+        with torch.no_grad():  # partitions are for inference: no autograd state in the graph (out= ops need it)
+            program = torch.export.export(model, (), kwargs=named)
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TraceError(
@@ -144,6 +175,8 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
     if mutated:
         raise TraceError(f"{owner}.forward mutates {sorted(set(mutated))}; partition supports inference graphs "
                          "that do not write to their parameters, buffers or inputs")
+    program = functionalize(program, owner)
+    gs = program.graph_signature
 
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
@@ -167,6 +200,21 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds)
+
+
+_FRAME = re.compile(r'\s*File "(.+)", line (\d+), in (\S+)')
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """Where the model's code made ``node`` ("attention_processor.py:1234 in forward: code"), from the stack trace
+    export records; the innermost frame."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _FRAME.match(lines[i])
+        if match:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            return f"{match[1].rsplit('/', 1)[-1]}:{match[2]} in {match[3]}" + (f": {code}" if code else "")
+    return "no source line recorded"
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

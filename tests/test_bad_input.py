@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from partitioner import InputError, MeshError, PartitionError, TraceError, partition
+from partitioner import InputError, MeshError, PartitionError, PartitionWarning, TraceError, partition
 from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
 
 
@@ -77,16 +77,20 @@ def test_strided_ulysses_groups_rejected(h3):
 
 
 def test_ulysses_degree_above_head_count(h3):
-    """A Ulysses degree above the model's head count is a PartitionError naming the module and both sizes."""
-    with pytest.raises(PartitionError, match=r"refiner_blocks\.0\.attn: 4 attention heads .* ulysses degree of 8"):
-        partition(h3[0], {"ulysses": 8}, ((), h3[1]))
+    """A Ulysses degree above every attention's head count leaves the attentions whole (exact), warns that the
+    axis is wasted, and explain() names the module and both sizes."""
+    with pytest.warns(PartitionWarning, match=r"ulysses degree of 8 shards no attention .* 4 attention heads"):
+        partitioned = partition(h3[0], {"ulysses": 8}, ((), h3[1]))
+    assert "4 attention heads cannot be spread over a ulysses degree of 8 (at most 4)" in \
+        partitioned.explain("token_refiner.refiner_blocks.0.attn")
+    assert partitioned.collective_counts()[("all_to_all", "ulysses")] == 0
 
 
 def test_ulysses_degree_above_sequence_length():
-    """A Ulysses degree above the packed length is a PartitionError naming the length and the degree."""
+    """A Ulysses degree above the packed length leaves the attention whole, and the warning names the length."""
     model = tiny_h3(num_attention_heads=8)
     inputs = h3_inputs(TINY_H3, text=1, video=2, audio=1)
-    with pytest.raises(PartitionError, match=r"sequence of 4 rows .* ulysses degree of 8"):
+    with pytest.warns(PartitionWarning, match=r"sequence of 4 rows cannot be spread over a ulysses degree of 8"):
         partition(model, {"ulysses": 8}, ((), inputs))
 
 

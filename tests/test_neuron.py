@@ -176,14 +176,18 @@ def test_narrowed_tiny_h3_is_exact(one_rank):
     assert [n.name for n in legal.graph.nodes if "narrowed_from" in n.meta] == \
         ["video_indices", "audio_indices", "text_indices"]
     bad = dict(inputs, audio_indices=inputs["audio_indices"] + 2**32)
-    with pytest.raises(InputError, match=r"audio_indices holds values in \[\d+, \d+\], outside int32"):
-        partitioned.compile(backend="neuron")(**bad)
-    # index_copy refuses a negative index; its index_put stand-in would wrap it, so the input check refuses it
+    with pytest.raises(InputError, match=r"index out of range: 4294967\d+ .* from audio_indices indexes index_copy"):
+        partitioned.compile(backend="neuron")(**bad)  # the preflight, before Neuron's own casts
+    # index_copy refuses a negative index; its index_put stand-in would wrap it, so Neuron's cast refuses it too
     negative = dict(inputs, text_indices=inputs["text_indices"] - inputs["text_indices"].max() - 1)
-    with pytest.raises(IndexError):
+    with pytest.raises(InputError, match=r"index out of range: -\d+ .* from text_indices .*valid indices are in \[0"):
         partitioned.compile()(**negative)
+    unchecked = partitioned.compile(backend="neuron")
+    unchecked.preflight.program = None  # Neuron's input casts are a second line of defence
+    with pytest.raises(InputError, match=r"audio_indices holds values in \[\d+, \d+\], outside int32"):
+        unchecked(**bad)
     with pytest.raises(InputError, match=r"text_indices holds a negative index .*index_copy"):
-        partitioned.compile(backend="neuron")(**negative)
+        unchecked(**negative)
 
 
 def _drop_normalisation(gm, backend):

@@ -2,8 +2,9 @@
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so it resolves after a plain
 install without importing this package first. Options: ``mesh`` (required: a DeviceMesh, or axis sizes for
-"xla"), ``backend`` ("eager", "inductor" or "xla", default "eager"), ``plan`` (``_tp_plan``-style overrides), ``dump_dir``, ``compile_options`` (for the
-inner backend, e.g. ``{"regional": False}``).
+"xla"), ``backend`` ("eager", "inductor" or "xla", default "eager"), ``plan`` (``_tp_plan``-style overrides),
+``dump_dir``, ``compile_options`` (for the inner backend, e.g. ``{"regional": False}``), ``timeout`` (seconds,
+bounding every collective; ranks compare plans and agree on every call as ``partition`` does).
 
 Dynamo hands over each captured graph with the model's parameters and buffers lifted as inputs. The backend
 exports it to aten, runs the partitioner's passes on it, keeps this rank's slices of the parameters and drops
@@ -21,13 +22,14 @@ import re
 import torch
 from torch.export.graph_signature import InputKind
 
-from ..mesh import as_mesh_spec
-from ..trace import GraphInput, Traced, TraceError, clean_export_graph
+from ..agreement import DEFAULT_TIMEOUT, call_signature
+from ..errors import BackendError, InputError
+from ..trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 from . import get as get_backend
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
-_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options"}
+_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout"}
 
 
 def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
@@ -54,16 +56,51 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     options = dict(options or {})
     unknown = set(options) - _OPTIONS
     if unknown or "mesh" not in options:
-        raise ValueError(f"backend='partitioner' takes options {sorted(_OPTIONS)} with 'mesh' required; "
+        raise InputError(f"backend='partitioner' takes options {sorted(_OPTIONS)} with 'mesh' required; "
                          f"got {sorted(options)}")
-    from ..api import partition_traced
+    from ..api import build_agreed, mesh_with_groups, partition_traced
+    from ..preflight import Preflight
 
-    mesh = as_mesh_spec(options["mesh"])
+    mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT))
     dynamo_inputs = _graph_inputs(gm, example_inputs)
+    partitioned = build_agreed(lambda: _partition(gm, example_inputs, dynamo_inputs, mesh, options, partition_traced),
+                               mesh, groups, {"plan": options.get("plan")})
+    inputs = partitioned.ctx.inputs
+    if options.get("backend") == "xla":  # one process drives every device: the global plan, whole tensors
+        if partitioned.global_state is None:
+            raise BackendError("backend 'xla' drives every device from one process: give the mesh as axis sizes, "
+                               f"e.g. options={{'mesh': {mesh.sizes}, 'backend': 'xla'}}")
+        lowered, tensors = partitioned.lower_xla(**options.get("compile_options", {}))
+    else:
+        lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
+                                                               **options.get("compile_options", {}))
+        tensors = partitioned.state
+    # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
+    sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
+    del example_inputs, tensors  # keep no reference to the full parameters (but XLA's, which it runs)
+    preflight = Preflight(partitioned.planned_graph, inputs, [f"input {i}" for i in range(len(sources))])
+    guard = partitioned.guard
+
+    def run(*args):
+        problem = None
+        try:  # index checks before the first collective, agreed by every rank
+            preflight.check(list(args), [])
+        except InputError as error:
+            problem = error
+        guard.agree(problem, call_signature(list(args)))
+        with guard.running([partitioned.graph_module, lowered]):
+            return lowered(*(value if position is None else args[position] for position, value in sources))
+
+    run.partitioned = partitioned
+    return run
+
+
+def _partition(gm, example_inputs, dynamo_inputs, mesh, options, partition_traced):
     try:
         program = torch.export.export(gm, tuple(example_inputs), strict=False)
     except Exception as error:
         raise TraceError(f"torch.export could not trace a graph captured by dynamo: {error}") from error
+    program = functionalize(program, "a graph captured by dynamo")
     inputs, state, user_index = [], dict(program.state_dict), 0
     for spec in program.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
@@ -80,23 +117,5 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     clean_export_graph(graph)
     traced = Traced(graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, {}, state,
                     inspect.signature(gm.forward))
-    partitioned = partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
-                                   dump_dir=options.get("dump_dir"))
-    if options.get("backend") == "xla":  # one process drives every device: the global plan, whole tensors
-        if partitioned.global_state is None:
-            raise ValueError("backend 'xla' drives every device from one process: give the mesh as axis sizes, "
-                             f"e.g. options={{'mesh': {mesh.sizes}, 'backend': 'xla'}}")
-        lowered, tensors = partitioned.lower_xla(**options.get("compile_options", {}))
-    else:
-        lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
-                                                               **options.get("compile_options", {}))
-        tensors = partitioned.state
-    # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
-    sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
-    del example_inputs, state, traced  # keep no reference to the full parameters (but XLA's, which it runs)
-
-    def run(*args):
-        return lowered(*(value if position is None else args[position] for position, value in sources))
-
-    run.partitioned = partitioned
-    return run
+    return partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
+                            dump_dir=options.get("dump_dir"))

@@ -26,6 +26,7 @@ import torch
 from torch.fx import GraphModule
 
 from .. import collectives
+from ..errors import BackendError
 from ..passes import narrow_indices, pad_attention
 from ..trace import copy_graph_module
 
@@ -39,7 +40,7 @@ BLOCK = 512  # sequence lengths the NKI flash-attention kernel accepts are multi
 MAX_HEAD_DIM = 128
 
 
-class NeuronLegalityError(ValueError):
+class NeuronLegalityError(BackendError, ValueError):
     pass
 
 

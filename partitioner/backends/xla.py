@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
+from ..errors import BackendError
 from ..mesh import MeshSpec
 from ..placement import PackedShard, Partial, Replicate, Shard
 from ..runtime import place_graph_on
@@ -50,11 +51,11 @@ _SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
 _CASTS = {aten.to.dtype, aten._to_copy.default}
 
 
-class XlaBackendError(RuntimeError):
+class XlaBackendError(BackendError):
     pass
 
 
-class CollectiveMismatch(AssertionError):
+class CollectiveMismatch(BackendError, AssertionError):
     pass
 
 

@@ -4,7 +4,8 @@ Requires: insert_collectives has run (every edge is placed as required).
 Guarantees:
 - every parameter, buffer or constant placed sharded has a slicing spec in ``ctx.slice_specs`` (FQN ->
   {axis: placement}), the only place the loader learns how to cut it;
-- every op that names sizes (view, reshape, unflatten, expand) names this rank's sizes;
+- every op that names sizes (view, reshape, unflatten, expand) names this rank's sizes, and views are reshapes
+  (the trace's strides do not hold once collectives lay values out);
 - ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
   placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``meta["global_shape"]``
   keeps the global one.
@@ -48,6 +49,10 @@ def _split_dim(node: Node) -> int:
 
 def _localize_sizes(node: Node, mesh) -> None:
     placements = node.meta["placements"]
+    if node.target in (aten.view.default, aten._unsafe_view.default):
+        # A view is legal for the strides the trace saw; a collective's result is laid out its own way (an
+        # all_to_all's output is contiguous in another order), so a rank's view may need a copy: reshape decides.
+        node.target = aten.reshape.default
     if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
         # pieces of a packed shard are this rank's parts of each block: name their local sizes
         dim = _split_dim(node)

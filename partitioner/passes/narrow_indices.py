@@ -111,17 +111,23 @@ def cast_inputs(fn, gm: GraphModule):
         return fn
     last: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (argument, its version, cast)
 
-    def call(*args):
+    def cast(args) -> list:
         args = list(args)
         for i, name, nonnegative in narrowed:
             if i in last and last[i][0] is args[i] and last[i][1] == args[i]._version:  # unchanged since
                 args[i] = last[i][2]
                 continue
-            cast = to_int32(args[i], name, nonnegative)
-            last[i] = (args[i], args[i]._version, cast)
-            args[i] = cast
-        return fn(*args)
+            narrow = to_int32(args[i], name, nonnegative)
+            last[i] = (args[i], args[i]._version, narrow)
+            args[i] = narrow
+        return args
 
+    def call(*args):
+        return fn(*cast(args))
+
+    # The runtime checks (and casts) the inputs before a call's first collective, so that a rank that refuses
+    # its inputs refuses with every rank; the call then finds the casts done.
+    call.check_inputs = lambda *args: cast(args) and None
     return call
 
 

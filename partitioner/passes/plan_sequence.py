@@ -20,11 +20,14 @@ How the plan is found:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..placement import Partial, Replicate, Shard, any_sharded
+from ..errors import PartitionWarning
 from ..rules import Decision, NeedsPacking, Unshardable, replicate_all, rule_for, shape_of
 
 AXIS = "ulysses"
@@ -62,8 +65,10 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], feeds_atte
     return candidates
 
 
-def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext):
-    """One sweep: decisions, what each node's consumers see, and the seeds that failed (with why)."""
+def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
+               refused: dict[Node, str]):
+    """One sweep: decisions, what each node's consumers see, and the seeds that failed (with why). An attention
+    that refuses its sequence-sharded inputs is recorded in ``refused``."""
     degree = ctx.mesh.size(AXIS)
     decisions, visible, failed = {}, {}, {}
     provenance: dict[Node, frozenset] = {}
@@ -76,6 +81,8 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
             except (Unshardable, NeedsPacking) as problem:
                 if isinstance(problem, NeedsPacking):  # sequence shards are never packed
                     problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
+                if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+                    refused[node] = str(problem)
                 if node in feeds_attention:
                     implicated = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
                     for seed in implicated:
@@ -104,19 +111,45 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     feeds_attention = _ancestors(attentions) | set(attentions)
     if ctx.mesh.size(AXIS) > 1:
         seeds = _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention)
+    refused: dict[Node, str] = {}
     while True:
-        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx)
+        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused)
         for seed, reason in failed.items():
             ctx.sequence_stopped[seed.name] = reason
             del seeds[seed]
         if not failed:
             break
+    _record_attentions(attentions, decisions, refused, ctx)
     for node in gm.graph.nodes:
         node.meta["placements"][AXIS] = decisions[node].output
         node.meta["required"][AXIS] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
     check(gm)
     return gm
+
+
+def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext) -> None:
+    """Which attentions are sequence-sharded, and why the others are not (``Partitioned.explain``). An attention
+    too short or with too few heads for the degree is left whole; a degree that shards no attention warns."""
+    if ctx.mesh.size(AXIS) <= 1:
+        return
+    for node in attentions:
+        info = node.meta.get("heads")
+        where = info.module if info is not None else node.name
+        if decisions[node].visible is not None:
+            ctx.sequence_attention[where] = "sequence-sharded (Ulysses all_to_all)"
+        elif node in refused:
+            ctx.sequence_attention[where] = f"not sequence-sharded: {refused[node]}"
+        else:
+            stopped = sorted(ctx.sequence_stopped[n.name] for n in _ancestors([node]) if n.name in ctx.sequence_stopped)
+            ctx.sequence_attention[where] = ("not sequence-sharded: its query, key and value reach it whole"
+                                             + (f" (sharding stopped at {stopped[0]})" if stopped else
+                                                " (no input of it has the sequence length)"))
+    if attentions and not any(v.startswith("sequence-sharded") for v in ctx.sequence_attention.values()):
+        reasons = sorted({reason.removeprefix("not sequence-sharded: ") for reason in ctx.sequence_attention.values()})
+        warnings.warn(f"a {AXIS} degree of {ctx.mesh.size(AXIS)} shards no attention of this model, so its ranks "
+                      "repeat the same attention work (the result is exact): " + "; ".join(reasons[:4])
+                      + f"; use a smaller {AXIS} degree or drop the {AXIS} axis", PartitionWarning, stacklevel=2)
 
 
 def check(gm: GraphModule) -> None:

@@ -1,0 +1,65 @@
+"""Every error the package raises on purpose derives from ``PartitionerError``.
+
+Each subclass also derives from the builtin that callers caught before it existed (``ValueError`` for bad input,
+``RuntimeError`` for failures while running), so ``except ValueError`` keeps working. Messages name the module,
+input, dimension or degree at fault and end with what to do.
+"""
+
+from __future__ import annotations
+
+
+class PartitionerError(Exception):
+    """Base of every error raised on purpose by partitioner."""
+
+
+class TraceError(PartitionerError, RuntimeError):
+    """torch.export could not trace the model, or the model is outside what partition supports."""
+
+
+class MeshError(PartitionerError, ValueError):
+    """The mesh is malformed: unknown dim names, bad sizes, strided groups, a rank outside it."""
+
+
+class PartitionError(PartitionerError, ValueError):
+    """The requested partition is impossible (e.g. a TP degree that does not divide a head count)."""
+
+
+class InputError(PartitionerError, ValueError):
+    """Bad arguments: a call's inputs that do not fit the partition (shape, dtype, structure, index range,
+    data-dependent size), or options that are not understood."""
+
+
+class NotFound(PartitionerError, KeyError):
+    """A name (module path, tensor, backend) that the partition does not have."""
+
+
+class CheckpointError(PartitionerError, ValueError):
+    """A checkpoint misses tensors, has other shapes or dtypes, or cannot be read."""
+
+
+class MissingWeights(CheckpointError, RuntimeError):
+    """The partition would run on meta tensors: the model had no weights and no checkpoint was loaded."""
+
+
+class BackendError(PartitionerError, RuntimeError):
+    """A backend cannot lower or run this partition (missing package, unsupported graph)."""
+
+
+class RankDisagreement(PartitionerError, RuntimeError):
+    """Ranks built different plans, or called the partition differently; raised on every rank."""
+
+
+class CollectiveTimeout(PartitionerError, RuntimeError):
+    """A collective did not complete within the partition's timeout (a peer failed, hung or never called)."""
+
+
+class PartitionUnusable(PartitionerError, RuntimeError):
+    """An earlier call failed after its first collective: the ranks' message streams may be out of step."""
+
+
+class PartitionWarning(UserWarning):
+    """A plan that is exact but wastes a mesh axis (e.g. a sequence degree that shards no attention)."""
+
+
+class VerificationError(PartitionerError, AssertionError):
+    """``Partitioned.verify`` found a value that differs from the unpartitioned model."""

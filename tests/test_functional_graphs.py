@@ -1,0 +1,166 @@
+"""Writes in place on sharded values: the trace is functionalized, so every write is carried exactly or the value is
+left whole; never a collective or slice that reads a value before a write it should see.
+
+Tolerance as in test_tp_numerics: float32, sharding reorders sums only, 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partitioner import partition
+from partitioner.testing import (cogvideox_inputs, cogview4_inputs, run_ranks, tiny_cogvideox, tiny_cogview4)
+
+TOLERANCE = 1e-5
+PATTERNS = ("copy_", "slice_assign", "index_put_", "add_", "out_variant", "view_write")
+
+
+class InPlaceAttention(nn.Module):
+    """4 heads x 8 over 7 rows, with one write in place on q, k or v between the projections and the attention."""
+
+    def __init__(self, pattern: str, heads: int = 4, dim: int = 32):
+        super().__init__()
+        self.pattern, self.heads = pattern, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, angle):
+        b, s, _ = x.shape
+        projected = self.q(x)
+        if self.pattern == "view_write":  # a write into the projection before it is split into heads
+            projected[:, :, : projected.shape[-1] // 2] *= 2.0
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (projected, self.k(x), self.v(x)))
+        if self.pattern == "copy_":  # rotary written as copy_ into a strided slice
+            half = angle[:, 0::2]
+            q[..., 0::2].copy_(q[..., 0::2] * half.cos() - q[..., 1::2] * half.sin())
+        elif self.pattern == "slice_assign":  # diffusers' CogVideoX: rotate the rows after the text
+            k[:, :, 2:] = k[:, :, 2:] * angle.cos()[2:]
+        elif self.pattern == "index_put_":
+            rows = torch.arange(0, s, 2)
+            q[:, :, rows] = q[:, :, rows] * 0.5
+        elif self.pattern == "add_":
+            k.add_(angle.sin())
+        elif self.pattern == "out_variant":
+            v = torch.mul(v, angle.cos(), out=torch.empty_like(v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+def _pattern_inputs():
+    g = torch.Generator().manual_seed(0)
+    return dict(x=torch.randn(1, 7, 32, generator=g), angle=torch.randn(7, 8, generator=g))
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _patterns_on_ranks(rank, world, shape, names):
+    errors = {}
+    for pattern in PATTERNS:
+        torch.manual_seed(0)
+        model, inputs = InPlaceAttention(pattern).eval(), _pattern_inputs()
+        with torch.no_grad():
+            expected = model(**inputs)
+        partitioned = partition(model, _mesh(shape, names), ((), inputs))
+        errors[pattern] = ((partitioned.compile()(**inputs) - expected).abs().max().item(),
+                           dict(partitioned.collective_counts()))
+    return errors
+
+
+@pytest.mark.parametrize("shape, names", [((2,), ("ulysses",)), ((2,), ("tp",))], ids=["ulysses2", "tp2"])
+def test_every_write_pattern_is_exact_on_every_rank(shape, names):
+    for errors in run_ranks(2, _patterns_on_ranks, shape, names):
+        for pattern, (error, collectives) in errors.items():
+            assert error <= TOLERANCE, (pattern, error)
+            assert collectives, (pattern, "nothing was sharded: the test would not exercise the write")
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_trace_has_no_write_in_place_left(pattern):
+    from partitioner.trace import trace
+
+    traced = trace(InPlaceAttention(pattern).eval(), ((), _pattern_inputs()))
+    mutable = [n for n in traced.graph_module.graph.nodes
+               if getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
+    assert mutable == []
+
+
+def test_graphs_without_writes_are_not_rewritten():
+    """Functionalization only runs where it is needed: it rewrites views (unflatten -> view) and costs seconds."""
+    from partitioner.trace import trace
+
+    traced = trace(InPlaceAttention("none").eval(), ((), _pattern_inputs()))
+    targets = {n.target for n in traced.graph_module.graph.nodes}
+    assert torch.ops.aten.unflatten.int in targets and torch.ops.aten.slice_scatter.default not in targets
+
+
+def test_an_op_that_writes_in_place_is_never_carried():
+    """Rules never carry an in-place op (a pointwise tag is not enough: add_ has one)."""
+    from partitioner.placement import Shard
+    from partitioner.rules import Unshardable, rule_for
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, 1.0))
+    add_.meta["val"] = torch.empty(4, 8)
+    with pytest.raises(Unshardable, match="no sharding rule"):
+        rule_for(add_)(add_, {x: Shard(0)}, 2)
+
+
+def _unguarded_copy_under_ulysses(rank, world):
+    """Negative control: the old behaviour (no functionalization, in-place ops carried as pointwise) is wrong."""
+    import partitioner.rules as rules
+    import partitioner.trace as trace
+
+    trace.functionalize = lambda program, owner: program
+    original = rules.rule_for
+
+    def carried(node, *args, **kwargs):
+        if node.target is torch.ops.aten.copy_.default:
+            return rules.pointwise
+        return original(node, *args, **kwargs)
+
+    rules.rule_for = carried
+    import partitioner.passes.plan_sequence as plan_sequence
+
+    plan_sequence.rule_for = carried
+    torch.manual_seed(0)
+    model, inputs = InPlaceAttention("copy_").eval(), _pattern_inputs()
+    with torch.no_grad():
+        expected = model(**inputs)
+    compiled = partition(model, _mesh((world,), ("ulysses",)), ((), inputs)).compile()
+    return (compiled(**inputs) - expected).abs().max().item()
+
+
+def test_negative_control_carrying_the_write_unseen_is_wrong():
+    assert max(run_ranks(2, _unguarded_copy_under_ulysses)) > 1e-3
+
+
+def _diffusers_models(rank, world, shape, names):
+    results = {}
+    for name, build, make_inputs in (("cogvideox", tiny_cogvideox, cogvideox_inputs),
+                                     ("cogview4", tiny_cogview4, cogview4_inputs)):
+        model = build()
+        inputs = dict(make_inputs(model), return_dict=False)
+        with torch.no_grad():
+            expected = model(**inputs)[0]
+        partitioned = partition(model, _mesh(shape, names), ((), inputs))
+        results[name] = ((partitioned.compile()(**inputs)[0] - expected).abs().max().item(),
+                         partitioned.collective_counts()[("all_to_all", "ulysses")])
+    return results
+
+
+@pytest.mark.parametrize("shape, names", [((2,), ("ulysses",)), ((2, 2), ("tp", "ulysses"))],
+                         ids=["ulysses2", "tp2xulysses2"])
+def test_cogvideox_and_cogview4_rotate_in_place_and_stay_exact(shape, names):
+    """diffusers' CogVideoX (rotary) and CogView4 write the rotated rows into q and k in place."""
+    for results in run_ranks(len(shape) * 2 if len(shape) == 2 else 2, _diffusers_models, shape, names):
+        for name, (error, exchanges) in results.items():
+            assert error <= TOLERANCE, (name, error)
+            assert exchanges > 0, (name, "no attention was sequence-sharded")

@@ -1,0 +1,218 @@
+"""Ranks fail together, in bounded time, and a partition never runs on a message stream that is out of step.
+
+Each case runs on local gloo ranks and checks every rank: a named error (the package's own classes) on every rank,
+within a few seconds of the partition's timeout, and then the next good call exact against the single-device model
+(or a clear PartitionUnusable where the call failed after its first collective).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from partitioner import (CollectiveTimeout, InputError, PartitionError, PartitionUnusable, RankDisagreement,
+                         partition)
+from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+
+TIMEOUT = 6.0  # seconds, every collective of these partitions
+TOLERANCE = 1e-5  # float32, sharding reorders sums only (see test_tp_numerics)
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _attempt(call) -> tuple[str, str, float]:
+    """(outcome class name, message, seconds) of a call expected to raise."""
+    start = time.monotonic()
+    try:
+        call()
+        return "returned", "", time.monotonic() - start
+    except Exception as error:  # the test asserts which class
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+def _error(model, compiled, inputs) -> float:
+    with torch.no_grad():
+        return (compiled(**inputs).sample - model(**inputs).sample).abs().max().item()
+
+
+def _bad_index_then_good(rank, world, preflight: bool):
+    """Ulysses=2: a token tag out of range, the same on every rank. Per-row values are sliced by rank, so only the
+    rank holding the bad row would fail inside the graph; the preflight catches it first on every rank."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    partitioned = partition(model, _mesh((world,), ("ulysses",)), ((), inputs), timeout=TIMEOUT)
+    compiled = partitioned.compile()
+    if not preflight:  # negative control: the checks that run before the first collective are switched off
+        compiled.preflight.program = None
+    bad = dict(inputs, token_tags=inputs["token_tags"].clone())
+    bad["token_tags"][-1] = 7  # 2 timesteps x 3 tags: indices of the per-row table run to 5
+    outcome = _attempt(lambda: compiled(**bad))
+    after = _attempt(lambda: _error(model, compiled, inputs))
+    return outcome, after, _error(model, compiled, inputs) if after[0] == "returned" else None
+
+
+def test_bad_index_is_rejected_on_every_rank_and_the_next_call_is_exact():
+    results = run_ranks(2, _bad_index_then_good, True)
+    for rank, ((kind, message, seconds), _, error) in enumerate(results):
+        assert kind == "InputError", (rank, kind, message)
+        assert "rank(s) [0, 1] rejected this call" in message and "index out of range: 10 at position [22]" in message
+        assert "from timestep_indices, token_tags" in message and "valid indices are in [0, 6)" in message
+        assert seconds < TIMEOUT  # rejected before any collective could wait
+        assert error <= TOLERANCE
+
+
+def test_without_the_preflight_a_bad_index_breaks_the_partition():
+    """Negative control: the rank with the bad row raises inside the graph, its peer waits in a collective until
+    the timeout; neither runs another call on the now out-of-step message stream."""
+    results = run_ranks(2, _bad_index_then_good, False)
+    kinds = sorted(outcome[0] for outcome, _, _ in results)
+    assert kinds == ["CollectiveTimeout", "IndexError"], kinds
+    for outcome, after, _ in results:
+        assert outcome[2] < TIMEOUT + 10
+        assert after[0] == "PartitionUnusable" and "partition the model again" in after[1]
+
+
+def _one_rank_rejects(rank, world):
+    """TP=2: rank 1 is called with one text row too many; rank 0's call is good."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    compiled = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
+    call = dict(inputs)
+    if rank == 1:
+        call["encoder_hidden_states"] = torch.randn(1, 6, TINY_H3["text_dim"])
+    outcome = _attempt(lambda: compiled(**call))
+    return outcome, _error(model, compiled, inputs)
+
+
+def test_one_rank_rejecting_its_call_raises_on_every_rank():
+    for rank, ((kind, message, seconds), error) in enumerate(run_ranks(2, _one_rank_rejects)):
+        assert kind == "InputError", (rank, kind, message)
+        assert "rank(s) [1] rejected this call" in message and "encoder_hidden_states" in message
+        assert seconds < TIMEOUT
+        assert error <= TOLERANCE
+
+
+def _plans_differ(rank, world, how: str):
+    model = tiny_h3()
+    inputs = h3_inputs(TINY_H3, text=6 if rank == 1 and how == "shapes" else 5)
+    plan = {"proj_in": "diagonal"} if rank == 1 and how == "failure" else None
+    plan = {"transformer_blocks.*.attn.to_out.0": "replicate"} if rank == 1 and how == "options" else plan
+    return _attempt(lambda: partition(model, _mesh((world,), ("tp",)), ((), inputs), plan=plan, timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("how", ["shapes", "options"])
+def test_ranks_that_build_different_plans_refuse_together(how):
+    for rank, (kind, message, seconds) in enumerate(run_ranks(2, _plans_differ, how)):
+        assert kind == "RankDisagreement", (rank, kind, message)
+        assert "rank(s) [1] differ from rank 0, first at decision" in message and "rank 1:" in message
+        assert seconds < 60
+
+
+def test_a_rank_that_fails_to_partition_stops_every_rank():
+    (kind0, message0, _), (kind1, message1, _) = run_ranks(2, _plans_differ, "failure")
+    assert kind1 == "PartitionError" and "diagonal" in message1  # its own error, unchanged
+    assert kind0 == "RankDisagreement" and "rank(s) [1] failed to partition" in message0 and "diagonal" in message0
+
+
+def _peer_fails_mid_call(rank, world):
+    """TP=2, eager: rank 1 fails between two all_reduces (a test-side graph edit); rank 0 waits in the next one."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    partitioned = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT)
+    compiled = partitioned.compile()
+    if rank == 1:
+        graph = partitioned.graph_module.graph
+        reduce = [n for n in graph.nodes if n.meta.get("collective") == ("all_reduce", "tp")][3]
+        with graph.inserting_before(reduce):
+            graph.call_function(_injected_failure, ())
+        partitioned.graph_module.recompile()
+    failed = _attempt(lambda: compiled(**inputs))
+    again = _attempt(lambda: compiled(**inputs))
+    rebuilt = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
+    return failed, again, _error(model, rebuilt, inputs)
+
+
+def _injected_failure():
+    raise RuntimeError("injected failure")
+
+
+def test_a_failure_inside_the_program_marks_the_partition_unusable_on_every_rank():
+    (failed0, again0, error0), (failed1, again1, error1) = run_ranks(2, _peer_fails_mid_call)
+    assert failed1[0] == "RuntimeError" and "injected failure" in failed1[1]
+    assert failed0[0] == "CollectiveTimeout", failed0
+    assert "all_reduce" in failed0[1] and "over mesh dim 'tp'" in failed0[1]
+    assert TIMEOUT - 1 <= failed0[2] < TIMEOUT + 10
+    for again in (again0, again1):
+        assert again[0] == "PartitionUnusable" and again[2] < 1
+    assert error0 <= TOLERANCE and error1 <= TOLERANCE  # a rebuilt partition runs exactly
+
+
+def _peer_never_calls(rank, world):
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    compiled = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
+    if rank == 1:
+        time.sleep(TIMEOUT + 2)
+        return None
+    return _attempt(lambda: compiled(**inputs))
+
+
+def test_a_rank_that_never_calls_is_a_timeout_not_a_hang():
+    kind, message, seconds = run_ranks(2, _peer_never_calls)[0]
+    assert kind == "CollectiveTimeout" and "every rank must make every call" in message
+    assert TIMEOUT - 1 <= seconds < TIMEOUT + 10
+
+
+def _load_after_compile(rank, world, first: str, second: str):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    inputs = h3_inputs(TINY_H3)
+    with torch.device("meta"):
+        skeleton = MiniMaxH3Transformer3DModel(**TINY_H3).eval()
+    partitioned = partition(skeleton, _mesh((world,), ("tp",)), ((), {k: v.to("meta") for k, v in inputs.items()}),
+                            timeout=TIMEOUT)
+    compiled = partitioned.load_weights(first).compile()
+    errors = []
+    for path, seed in ((first, 0), (second, 1)):
+        partitioned.load_weights(path)
+        errors.append(_error(tiny_h3(seed), compiled, inputs))
+    return errors
+
+
+def test_load_weights_after_compile_changes_what_the_compiled_partition_runs(tmp_path):
+    tiny_h3(0).save_pretrained(tmp_path / "a")
+    tiny_h3(1).save_pretrained(tmp_path / "b")
+    for errors in run_ranks(2, _load_after_compile, str(tmp_path / "a"), str(tmp_path / "b")):
+        assert max(errors) <= TOLERANCE, errors
+
+
+def _short_text_at_ulysses4(rank, world):
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3, text=3)
+    partitioned = partition(model, _mesh((world,), ("ulysses",)), ((), inputs), timeout=TIMEOUT)
+    return partitioned.explain(), _error(model, partitioned.compile(), inputs)
+
+
+def test_attention_shorter_than_the_sequence_degree_is_left_whole():
+    """Ulysses=4 with a 3-row prompt: the text refiner's attention stays whole (explain says why), the main blocks
+    are sequence-sharded, and every rank is exact."""
+    for explanation, error in run_ranks(4, _short_text_at_ulysses4):
+        lines = explanation.splitlines()
+        assert "token_refiner.refiner_blocks.0.attn: not sequence-sharded" in explanation
+        assert "sequence of 3 rows cannot be spread over a ulysses degree of 4" in explanation
+        assert sum("transformer_blocks." in line and "sequence-sharded (Ulysses" in line for line in lines) == 2
+        assert error <= TOLERANCE
+
+
+def test_timeout_must_be_a_positive_number():
+    with pytest.raises(InputError, match="timeout must be a positive number of seconds, got -1"):
+        partition(tiny_h3(), {"tp": 2}, ((), h3_inputs(TINY_H3)), timeout=-1)
+
+
+def test_errors_share_one_base_and_keep_builtin_compatibility():
+    from partitioner import PartitionerError
+
+    for error in (InputError, PartitionError, RankDisagreement, CollectiveTimeout, PartitionUnusable):
+        assert issubclass(error, PartitionerError)
+    assert issubclass(InputError, ValueError) and issubclass(CollectiveTimeout, RuntimeError)
