@@ -4,11 +4,12 @@ from .api import Partitioned, partition
 from .backends.neuron import NeuronLegalityError
 from .backends.xla import CollectiveMismatch, XlaBackendError
 from .errors import (BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError, MissingWeights,
-                     NotFound, PartitionError, PartitionerError, PartitionWarning, PartitionUnusable, RankDisagreement, TraceError,
-                     VerificationError)
+                     NotFound, PartitionError, PartitionerError, PartitionUnusable, PartitionWarning,
+                     RankDisagreement, TraceError, VerificationError)
 from .placement import PackedShard
+from .plans import Plan, plan
 
 __all__ = ["BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
-           "MissingWeights", "NeuronLegalityError", "NotFound", "PackedShard", "PartitionError", "PartitionUnusable", "PartitionWarning",
-           "Partitioned", "PartitionerError", "RankDisagreement", "TraceError", "VerificationError",
-           "XlaBackendError", "partition"]
+           "MissingWeights", "NeuronLegalityError", "NotFound", "PackedShard", "PartitionError", "PartitionUnusable",
+           "PartitionWarning", "Partitioned", "PartitionerError", "Plan", "RankDisagreement", "TraceError",
+           "VerificationError", "XlaBackendError", "partition", "plan"]

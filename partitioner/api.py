@@ -14,11 +14,12 @@ import torch
 from . import backends
 from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
 from .checkpoint import load_shards
-from .errors import BackendError, CheckpointError, MissingWeights, NotFound, VerificationError
+from .errors import BackendError, CheckpointError, InputError, MissingWeights, NotFound, VerificationError
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
-from .passes import PLAN, TO_RANK
+from .passes import PLAN, TO_RANK, run_passes
+from .plans import Plan
 from .report import Report, build_report
 from .runtime import CompiledPartition, place_graph_on
 from .trace import Traced, copy_graph_module, trace
@@ -140,44 +141,44 @@ class Partitioned:
         """A callable taking the model's forward arguments and returning what its forward returns.
         ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (legalises and checks
         its rules, then needs torch-neuronx; options ``pad_sequence``, ``text_rows``) or "xla" (one process drives
-        every device through XLA SPMD; option ``verify``)."""
-        if backend == "xla":
-            return self._compile_xla(**options)
+        every device through XLA SPMD; option ``verify``); see ``partitioner.backends``."""
+        lowered, tensors = self.lower(backend, **options)
+        return CompiledPartition(lowered, self, backend, tensors=tensors)
+
+    def lower(self, backend: str = "eager", **options):
+        """The backend's program and what gives it its tensors at each call: this rank's program and shards for a
+        backend run per rank, the global plan and the model's whole tensors (on the CPU) for one that drives every
+        device itself."""
+        chosen = backends.get(backend)
+        chosen.validate(options)
+        if chosen.takes == "global":
+            self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
+            return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
+                                **options), self.whole_tensors
         if not self.mesh.runnable:
-            raise BackendError(f"this partition was planned on axis sizes ({self.mesh}); to run it, partition with "
-                               "a DeviceMesh on initialised process groups")
+            raise BackendError(f"this partition was planned on axis sizes ({self.mesh}); to run it with {backend!r}, "
+                               "partition with a DeviceMesh on initialised process groups")
         _require_weights(self.state, "")
         devices = {t.device for t in self.state.values()}
         if len(devices) > 1:
             raise BackendError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
-        lowered = backends.get(backend)(self.graph_module, mesh=self.mesh, **options)
-        return CompiledPartition(lowered, self, backend)
-
-    def _compile_xla(self, verify: bool | str = True):
-        lowered, _ = self.lower_xla(verify=verify)
-        return CompiledPartition(lowered, self, "xla", tensors=self.whole_tensors)
+        return chosen.lower(self.graph_module, mesh=self.mesh, collectives=self.collective_counts(),
+                            **options), self.rank_tensors
 
     def whole_tensors(self) -> list[torch.Tensor]:
-        """The model's whole tensors in program order, on the CPU (what XLA SPMD takes); read again after
-        ``load_weights``."""
+        """The model's whole tensors in program order, on the CPU (what a backend that drives every device takes);
+        read again after ``load_weights``."""
         if self._whole is None:
             state = self._whole_state()
             self._whole = [state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
         return self._whole
 
-    def lower_xla(self, verify: bool | str = True):
-        """The XLA program of the global plan (XLA SPMD partitions it itself) and the whole tensors it takes, by
-        name, on the CPU."""
-        state = self._whole_state()
-        lowered = backends.xla.lower(self.planned_graph, mesh=self.mesh, planned_collectives=self.collective_counts(),
-                                     verify=verify)
-        return lowered, state
-
     def _whole_state(self) -> dict[str, torch.Tensor]:
         if self.global_state is None:
-            raise BackendError("backend='xla' drives every device from one process: partition with the mesh as "
-                               f"axis sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
+            raise BackendError("a backend that drives every device from one process (XLA SPMD) needs the whole "
+                               "model: partition with the mesh as axis sizes, e.g. "
+                               f"partition(model, {self.mesh.sizes}, example_inputs)")
         state = self.global_state
         if self.checkpoint is not None:  # the checkpoint last loaded, read whole
             path, strict = self.checkpoint
@@ -212,14 +213,15 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
         traced.state[name] = buffers[name]
 
 
-def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | None = None,
+def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | Plan | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
     without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
-    ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``. ``dump_dir`` (or
+    ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``, or a whole ``Plan`` (from
+    ``partitioner.plan``, possibly edited) applied as it is. ``dump_dir`` (or
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
     for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``).
     ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
@@ -279,46 +281,44 @@ def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
 
 
 def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
-    """``backend_checks``: "neuron", or {"neuron": options of compile(backend="neuron")} such as
-    ``{"pad_sequence": True}``. The legalized graph the checks see is dumped after the passes' graphs."""
-    usage = "e.g. backend_checks='neuron' or {'neuron': {'pad_sequence': True}}"
+    """``backend_checks``: a backend name, or {name: its compile options} such as ``{"neuron": {"pad_sequence":
+    True}}``. The graph the checks see is dumped after the passes' graphs."""
+    usage = f"e.g. backend_checks='neuron' or {{'neuron': {{'pad_sequence': True}}}}; backends with offline " \
+            f"checks: {backends.with_checks()}"
     if isinstance(backend_checks, str):
         backend_checks = {backend_checks: {}}
-    if not (isinstance(backend_checks, dict) and list(backend_checks) == ["neuron"]):
-        raise ValueError(f"backend_checks={backend_checks!r}: only 'neuron' has offline checks, {usage}")
-    options = backend_checks["neuron"]
-    if not isinstance(options, dict) or not set(options) <= {"pad_sequence", "text_rows"}:
-        raise ValueError(f"backend_checks={backend_checks!r}: the neuron options are pad_sequence and text_rows, "
-                         f"{usage}")
-    options = dict(options)
-    legal = backends.neuron.legalize(partitioned.graph_module, pad_sequence=options.pop("pad_sequence", False))
-    Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)("neuron_legalize", legal, partitioned.ctx)
-    backends.neuron.require_legal(legal, partitioned.mesh, **options)
+    if not (isinstance(backend_checks, dict) and len(backend_checks) == 1):
+        raise InputError(f"backend_checks={backend_checks!r}: name one backend, {usage}")
+    (name, options), = backend_checks.items()
+    backend = backends.get(name)
+    if backend.check is None or not isinstance(options, dict) or set(options) - set(backend.options):
+        raise InputError(f"backend_checks={backend_checks!r}: {usage}; {name!r} takes the options "
+                         f"{list(backend.options)}")
+    checked = backend.check(partitioned.graph_module, partitioned.mesh, **options)
+    Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)(f"{name}_legalize", checked,
+                                                                            partitioned.ctx)
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
                      dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None) -> Partitioned:
-    """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes)."""
-    ctx = PassContext(mesh, list(traced.inputs), dict(plan or {}), dict(bounds or {}), dict(traced.size_bounds))
+    """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
+    ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
+    ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds))
+    if isinstance(plan, Plan):
+        plan.check_mesh(mesh.sizes)
+        overrides = plan.linear_overrides()
+        ctx.plan = {path: style for path, (style, _) in overrides.items()}
+        ctx.packed_overrides = {path: blocks for path, (_, blocks) in overrides.items() if blocks}
+        ctx.given_sequence_seeds = dict(plan.sequence_seeds)
+        ctx.bounds = {**plan.bounds, **ctx.bounds}
+    else:
+        ctx.plan = dict(plan or {})
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
-    for name, run_pass in PLAN:
-        gm = run_pass(gm, ctx)
-        _record_placed_by(gm, name)
-        dump(name, gm, ctx, {"prologue": ctx.host.prologue} if name == "hoist_host" and ctx.host else None)
+    gm = run_passes(gm, ctx, PLAN, dump)
     planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
-    for name, run_pass in TO_RANK:
-        gm = run_pass(gm, ctx)
-        _record_placed_by(gm, name)
-        dump(name, gm, ctx)
+    gm = run_passes(gm, ctx, TO_RANK, dump)
     traced.graph_module, traced.inputs = gm, ctx.inputs
     return Partitioned(model_name, traced, ctx, planned)
 
-
-def _record_placed_by(gm: torch.fx.GraphModule, pass_name: str) -> None:
-    """Remember which pass first gave each value its placement on each axis (``verify`` names it)."""
-    for node in gm.graph.nodes:
-        placed_by = node.meta.setdefault("placed_by", {})
-        for axis in node.meta.get("placements", {}):
-            placed_by.setdefault(axis, pass_name)

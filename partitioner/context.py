@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import InvariantError
 from .mesh import MeshSpec
 from .trace import GraphInput
 
@@ -15,6 +16,8 @@ class PassContext:
     mesh: MeshSpec
     inputs: list[GraphInput]  # what each placeholder of the graph is, in placeholder order
     plan: dict[str, str] = field(default_factory=dict)  # user overrides, diffusers `_tp_plan` key syntax
+    packed_overrides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # path -> packed blocks (a Plan)
+    given_sequence_seeds: dict[str, int] | None = None  # a Plan's sequence seeds, applied as they are
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
     # Filled by the passes:
@@ -25,10 +28,12 @@ class PassContext:
     sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
     sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
+    sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
+    pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it took (the runner)
 
     def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(self.inputs):
-            raise AssertionError(f"graph has {len(placeholders)} placeholders, signature {len(self.inputs)}")
+            raise InvariantError(f"graph has {len(placeholders)} placeholders, signature {len(self.inputs)}")
         return dict(zip(placeholders, self.inputs))

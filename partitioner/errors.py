@@ -20,6 +20,10 @@ class MeshError(PartitionerError, ValueError):
     """The mesh is malformed: unknown dim names, bad sizes, strided groups, a rank outside it."""
 
 
+class InvariantError(PartitionerError, AssertionError):
+    """A pass broke its own postcondition: a bug in partitioner. The dumps (``dump_dir``) show the graph."""
+
+
 class PartitionError(PartitionerError, ValueError):
     """The requested partition is impossible (e.g. a TP degree that does not divide a head count)."""
 

@@ -213,17 +213,18 @@ def run_ranks(world: int, fn, *args) -> list:
 def broken_rule(target, rule):
     """Test-only fault injection: plan with ``rule`` for the op ``target``, as a bug in a rule would (``verify``
     must find what it breaks)."""
-    from . import rules
+    from .rules import RULES
 
-    saved = rules.RULES.get(target)
-    rules.RULES[target] = rule
+    key = ("any", target)
+    saved = RULES.get(key)
+    RULES[key] = rule
     try:
         yield
     finally:
         if saved is None:
-            del rules.RULES[target]
+            del RULES[key]
         else:
-            rules.RULES[target] = saved
+            RULES[key] = saved
 
 
 def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:

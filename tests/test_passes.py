@@ -15,7 +15,7 @@ from partitioner.context import PassContext
 from partitioner.mesh import as_mesh_spec
 from partitioner.passes import annotate_heads, plan_sharding
 from partitioner.placement import PackedShard, Partial, Replicate, Shard, is_sharded, shard_slices, slice_local
-from partitioner.rules import PartitionError, _view_groups
+from partitioner.rules import PartitionError, view_groups as _view_groups
 from partitioner.trace import trace
 
 aten = torch.ops.aten
@@ -425,7 +425,7 @@ def test_view_shard_dim_against_brute_force(a, b, degree, data):
     """Whenever a view carries a sharded dim (even or uneven) to an output dim, every rank's elements are exactly
     its slice of that output dim: checked element by element on an arange."""
     from partitioner.placement import shard_range
-    from partitioner.rules import Unshardable, _view_shard_dim
+    from partitioner.rules import Unshardable, view_shard_dim as _view_shard_dim
 
     in_shape, out_shape = a + [math.prod(b)], b + [math.prod(a)]
     dim = data.draw(st.integers(0, len(in_shape) - 1))

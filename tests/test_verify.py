@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from partitioner import VerificationError, partition
 from partitioner.placement import Replicate
 from partitioner.rules import Decision
-from partitioner.testing import TINY_H3, broken_rule, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, LikeOps, broken_rule, h3_inputs, run_ranks, tiny_h3
 
 
 def _mesh(shape, names):
@@ -31,12 +30,9 @@ def test_a_correct_partition_verifies_value_by_value(names):
         assert max_error <= 1e-5 and output_error <= 1e-5
 
 
-class Normalised(nn.Module):
-    """A feature sum between a column- and a row-wise linear: no rule may carry the column shard through it."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+class Normalised(LikeOps):
+    """A feature sum between a column- and a row-wise linear (up, down): no rule may carry the column shard
+    through it."""
 
     def forward(self, x):
         h = self.up(x)

@@ -1,18 +1,10 @@
-"""Backends lower a rank's graph to something that runs. Each is ``lower(gm, *, mesh, **options) -> callable``
-taking the graph's inputs positionally (``mesh`` for backends whose rules depend on it, such as Neuron's).
-``xla`` is the exception: it takes the global planned graph, not a rank's (see ``Partitioned.compile``)."""
+"""Lowerings of a partition, one per file, each registered by name behind ``base.Backend``: ``eager`` (the rank's
+GraphModule as it is), ``inductor`` (regional compilation), ``neuron`` (legalised and checked, then torch-neuronx),
+``xla`` (XLA SPMD from the global plan). ``get(name)`` finds one."""
 
 from __future__ import annotations
 
-from typing import Callable
+from . import eager, inductor, neuron, xla  # noqa: F401  (each registers itself)
+from .base import BACKENDS, Backend, get, register, with_checks
 
-from . import eager, inductor, neuron, xla
-
-BACKENDS: dict[str, Callable] = {"eager": eager.lower, "inductor": inductor.lower, "neuron": neuron.lower,
-                               "xla": xla.lower}
-
-
-def get(name: str) -> Callable:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {sorted(BACKENDS)}")
-    return BACKENDS[name]
+__all__ = ["BACKENDS", "Backend", "get", "register", "with_checks"]

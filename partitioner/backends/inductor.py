@@ -21,6 +21,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from .base import Backend, register
+
 _BLOCK = re.compile(r"\.\d+$")
 
 
@@ -97,9 +99,9 @@ class _Interpreter(torch.fx.Interpreter):
         return self.compiled[target](*args)
 
 
-def lower(gm: GraphModule, *, mesh=None, regional: bool = True, compile_glue: bool = False):
+def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True, compile_glue: bool = False):
     """A callable running ``gm`` compiled by Inductor; ``.stats`` says how many compilations it took."""
-    del mesh  # the graph's collectives already name the mesh's process groups
+    del mesh, collectives  # the graph's collectives already name the mesh's process groups
     stats = CompileStats()
     if not regional:
         compiled = []
@@ -126,3 +128,6 @@ def lower(gm: GraphModule, *, mesh=None, regional: bool = True, compile_glue: bo
 
     run_regions.stats = stats
     return run_regions
+
+
+register(Backend("inductor", "rank", lower, options=("regional", "compile_glue")))

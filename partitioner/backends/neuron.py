@@ -29,6 +29,7 @@ from .. import collectives
 from ..errors import BackendError
 from ..passes import narrow_indices, pad_attention
 from ..trace import copy_graph_module
+from .base import Backend, register
 
 _COLLECTIVES = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -125,15 +126,25 @@ def require_legal(gm: GraphModule, mesh, text_rows: int | None = None) -> None:
         raise NeuronLegalityError("this rank's graph would fail or fall back on Neuron:\n  " + "\n  ".join(problems))
 
 
-def lower(gm: GraphModule, *, mesh, text_rows: int | None = None, pad_sequence: bool = False):
+def check_offline(gm: GraphModule, mesh, *, pad_sequence: bool = False, text_rows: int | None = None) -> GraphModule:
+    """The legalised graph, checked: what ``compile(backend="neuron", ...)`` would build, on any machine."""
+    legal = legalize(gm, pad_sequence=pad_sequence)
+    require_legal(legal, mesh, text_rows)
+    return legal
+
+
+def lower(gm: GraphModule, *, mesh, collectives=None, text_rows: int | None = None, pad_sequence: bool = False):
     """Legalize, check the rules, then compile with torch-neuronx (only on a host that has it). The callable takes
     the graph's inputs as they were (int64 indices included)."""
-    gm = legalize(gm, pad_sequence=pad_sequence)
-    require_legal(gm, mesh, text_rows)
+    del collectives
+    gm = check_offline(gm, mesh, pad_sequence=pad_sequence, text_rows=text_rows)
     try:
         import torch_neuronx  # noqa: F401
     except ImportError:
-        raise RuntimeError("the graph passed every Neuron check, but torch-neuronx is not installed here; compile "
+        raise BackendError("the graph passed every Neuron check, but torch-neuronx is not installed here; compile "
                            "on a Trainium host with torch-neuronx, or use partition(..., backend_checks='neuron') "
                            "to check layouts offline") from None
     return narrow_indices.cast_inputs(torch.compile(gm, backend="neuron"), gm)
+
+
+register(Backend("neuron", "rank", lower, options=("pad_sequence", "text_rows"), check=check_offline))

@@ -1,20 +1,49 @@
-"""The rewrite passes, in the order they run. Each is ``run(gm, ctx) -> gm`` and checks its own postcondition.
+"""The rewrite passes, in the order they run, and the runner that runs them.
+
+Each pass is a plain function ``run(gm, ctx) -> gm`` over a ``torch.fx.GraphModule`` and the shared
+``PassContext``, declared here with what it requires (passes that must have run before it), what it guarantees, and
+the check of that guarantee. ``run_passes`` does the rest for every pass alike: order, lint and recompile, the
+postcondition check, which pass placed each value (``meta["placed_by"]``), timing, logging and dumps.
 
 ``PLAN`` leaves the global graph with a placement on every value and a requirement on every input: that is the
 whole decision, and what the XLA backend hands to XLA's SPMD partitioner. ``TO_RANK`` turns it into one rank's
 program (explicit collectives, local shapes), for the eager, Inductor and Neuron backends.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
 from . import annotate_heads, hoist_host, insert_collectives, localize, plan_sequence, plan_sharding
+from .runner import run_passes
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable  # (gm, ctx) -> gm
+    check: Callable  # (gm, ctx) -> None, raises InvariantError: the guarantee, checked after every run
+    requires: tuple[str, ...]  # passes that must have run before
+    guarantees: str
+
 
 PLAN = (
-    ("hoist_host", hoist_host.run),
-    ("annotate_heads", annotate_heads.run),
-    ("plan_sharding", plan_sharding.run),
-    ("plan_sequence", plan_sequence.run),
+    Pass("hoist_host", hoist_host.run, hoist_host.check, (),
+         "no value of the device graph has a data-dependent size; data-dependent ops run in a CPU prologue"),
+    Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
+         "attentions and their projections carry meta['heads']; head splits infer the head count from head_dim"),
+    Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("annotate_heads",),
+         "every value has a 'tp' placement and every input a 'tp' requirement"),
+    Pass("plan_sequence", plan_sequence.run, plan_sequence.check, ("plan_sharding",),
+         "every value has a 'ulysses' placement and every input a 'ulysses' requirement"),
 )
 TO_RANK = (
-    ("insert_collectives", insert_collectives.run),
-    ("localize", localize.run),
+    Pass("insert_collectives", insert_collectives.run, insert_collectives.check, ("plan_sharding", "plan_sequence"),
+         "every input of every node is placed as the node requires"),
+    Pass("localize", localize.run, localize.check, ("insert_collectives",),
+         "every value has this rank's shape; every sharded tensor has a slicing spec"),
 )
 PIPELINE = PLAN + TO_RANK
+
+__all__ = ["PIPELINE", "PLAN", "Pass", "TO_RANK", "run_passes"]

@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import PassContext
+from ..errors import InvariantError
 from ..placement import PackedShard, Replicate, Shard, any_sharded
 from ..rules import PartitionError, Unshardable, rule_for
 from ..trace import GraphInput
@@ -280,12 +281,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     padded = {node: next(iter(transfers[gi.target].sizes)) for node, gi in zip(_placeholders(gm), ctx.inputs)
               if gi.kind == "host" and transfers[gi.target].sizes}
     _check_padding_is_inert(gm, padded, {(index, dim) for index, dim, _ in trims})
-    check(gm)
     return gm
 
 
-def check(gm: GraphModule) -> None:
+def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: no value of the device graph has a data-dependent size."""
     for node in gm.graph.nodes:
         if _unbacked(node.meta.get("val")):
-            raise AssertionError(f"{node.name} still has a data-dependent size {node.meta['val']}")
+            raise InvariantError(f"{node.name} still has a data-dependent size {node.meta['val']}")

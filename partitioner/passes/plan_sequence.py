@@ -26,9 +26,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
-from ..placement import Partial, Replicate, Shard, any_sharded
-from ..errors import PartitionWarning
-from ..rules import Decision, NeedsPacking, Unshardable, replicate_all, rule_for, shape_of
+from ..placement import Replicate, Shard, any_sharded
+from ..propagate import sweep
+from ..errors import InvariantError, PartitionError, PartitionWarning
+from ..rules import Decision, NeedsPacking, Unshardable, rule_for, shape_of
 
 AXIS = "ulysses"
 R = Replicate()
@@ -67,40 +68,28 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], feeds_atte
 
 def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
                refused: dict[Node, str]):
-    """One sweep: decisions, what each node's consumers see, and the seeds that failed (with why). An attention
-    that refuses its sequence-sharded inputs is recorded in ``refused``."""
-    degree = ctx.mesh.size(AXIS)
-    decisions, visible, failed = {}, {}, {}
-    provenance: dict[Node, frozenset] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            decision = Decision(R)
-        else:
-            try:
-                decision = rule_for(node, sequence_axis=AXIS)(node, visible, degree)
-            except (Unshardable, NeedsPacking) as problem:
-                if isinstance(problem, NeedsPacking):  # sequence shards are never packed
-                    problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
-                if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-                    refused[node] = str(problem)
-                if node in feeds_attention:
-                    implicated = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
-                    for seed in implicated:
-                        failed.setdefault(seed, f"{node.name}: {problem}")
-                decision = replicate_all(node, visible)  # after the last attention: gather the sequence back
-        decisions[node] = decision
-        shown = decision.visible if decision.visible is not None else decision.output
-        if node in seeds and not any_sharded(shown):
-            shown = Shard(seeds[node])
-        visible[node] = shown
-        if node in seeds:
-            provenance[node] = frozenset({node})
-        elif not isinstance(shown, Partial):
-            carried = [provenance[n] for n in node.all_input_nodes
-                       if n in provenance and any_sharded(visible[n]) and any_sharded(decision.inputs.get(n, R))]
-            if carried:
-                provenance[node] = frozenset().union(*carried)
-    return decisions, failed
+    """One sweep (``partitioner.propagate``): decisions, and the seeds that failed before an attention (with why).
+    A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
+    refuses its sequence-sharded inputs is recorded in ``refused``; after the last attention a refusal just gathers
+    the sequence back."""
+    def adjust(node: Node, decision: Decision) -> Decision:
+        if node in seeds and not any_sharded(decision.seen):
+            decision.visible = Shard(seeds[node])
+        return decision
+
+    swept = sweep(gm, lambda node: rule_for(node, sequence_axis=AXIS), ctx.mesh.size(AXIS), adjust=adjust,
+                  is_seed=lambda node, decision: node in seeds)
+    failed = {}
+    for failure in swept.failures:
+        problem = failure.problem
+        if isinstance(problem, NeedsPacking):  # sequence shards are never packed
+            problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
+        if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            refused[failure.node] = str(problem)
+        if failure.node in feeds_attention:
+            for seed in failure.seeds:
+                failed.setdefault(seed, f"{failure.node.name}: {problem}")
+    return swept.decisions, failed
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -110,22 +99,36 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     seeds: dict[Node, int] = {}
     feeds_attention = _ancestors(attentions) | set(attentions)
     if ctx.mesh.size(AXIS) > 1:
-        seeds = _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention)
+        seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
+                 else _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention))
     refused: dict[Node, str] = {}
     while True:
         decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused)
+        if failed and ctx.given_sequence_seeds is not None:
+            raise PartitionError("the plan's sequence sharding cannot be applied: "
+                                 + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))
         for seed, reason in failed.items():
             ctx.sequence_stopped[seed.name] = reason
             del seeds[seed]
         if not failed:
             break
+    ctx.sequence_seeds = {node.name: dim for node, dim in seeds.items()}
     _record_attentions(attentions, decisions, refused, ctx)
     for node in gm.graph.nodes:
         node.meta["placements"][AXIS] = decisions[node].output
         node.meta["required"][AXIS] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
-    check(gm)
     return gm
+
+
+def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
+    """A plan's seeds, by value name; a name this graph does not have means the plan is for another model."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    missing = sorted(set(given) - set(nodes))
+    if missing:
+        raise PartitionError(f"the plan shards values this model's graph does not have: {missing[:5]}; plan again "
+                             "for this model and these example input shapes")
+    return {nodes[name]: dim for name, dim in given.items()}
 
 
 def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext) -> None:
@@ -136,7 +139,7 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
     for node in attentions:
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
-        if decisions[node].visible is not None:
+        if decisions[node].output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             ctx.sequence_attention[where] = "sequence-sharded (Ulysses all_to_all)"
         elif node in refused:
             ctx.sequence_attention[where] = f"not sequence-sharded: {refused[node]}"
@@ -152,8 +155,10 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
                       + f"; use a smaller {AXIS} degree or drop the {AXIS} axis", PartitionWarning, stacklevel=2)
 
 
-def check(gm: GraphModule) -> None:
-    """Postcondition: every node has a ulysses placement."""
+def check(gm: GraphModule, ctx: PassContext) -> None:
+    """Postcondition: on a mesh with a ulysses axis, every node has a ulysses placement."""
+    if AXIS not in ctx.mesh.axis_names:
+        return
     for node in gm.graph.nodes:
         if AXIS not in node.meta["placements"]:
-            raise AssertionError(f"{node.name} has no {AXIS} placement")
+            raise InvariantError(f"{node.name} has no {AXIS} placement")

@@ -9,7 +9,7 @@ two disagree, ``insert_collectives`` redistributes. Parameters and buffers are p
 How the plan is found, from the graph's structure alone (no per-model list):
 
 1. Every linear starts as a column-wise candidate (a "seed"). Placements are propagated through the graph with the
-   rules in ``partitioner/rules.py``. A linear whose input features arrive sharded becomes row-wise (its output is
+   rules in ``partitioner/rules/`` (one sweep of ``partitioner/propagate.py`` per round). A linear whose input features arrive sharded becomes row-wise (its output is
    Partial and is all-reduced). Candidates whose sharding reaches an op that cannot carry it (a norm over the
    features, a reshape that mixes features with rows, the graph output, ...) are dropped and propagation reruns,
    until nothing fails. What remains are column -> row regions: q/k/v -> heads -> attention -> output projection;
@@ -34,8 +34,9 @@ from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..placement import Partial, Replicate, any_sharded, is_sharded
-from ..rules import (Decision, LinearRoles, NeedsPacking, PartitionError, Unshardable, replicate_all, rule_for,
-                     shape_of)
+from ..errors import InvariantError, PartitionError
+from ..propagate import sweep
+from ..rules import Decision, LinearRoles, NeedsPacking, rule_for, shape_of
 
 AXIS = "tp"
 STYLES = ("colwise", "rowwise", "replicate")
@@ -75,39 +76,29 @@ def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node,
 
 
 def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree: int) -> _Propagation:
-    """One forward sweep: placements for every node, and which column candidates failed and why.
+    """One sweep (``partitioner.propagate``): placements for every node, and which column candidates failed and why.
 
     A ``gathered`` linear keeps its column-sharded output, but its consumers see it replicated, so that
     insert_collectives gathers it once, right after the linear."""
-    result = _Propagation()
-    visible: dict[Node, object] = {}  # placements as consumers see them
-    provenance: dict[Node, frozenset] = {}  # sharded value -> column seeds whose sharding it carries
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            result.placements[node] = visible[node] = R
-            continue
-        try:
-            decision = rule_for(node, roles)(node, visible, degree)
-        except (Unshardable, NeedsPacking) as problem:
-            seeds = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
-            droppable = seeds - roles.forced
-            if isinstance(problem, NeedsPacking) and len(seeds) == 1 and droppable:
-                result.packing[next(iter(seeds))] = problem.blocks
-            else:
-                for seed in droppable:
-                    result.failed.setdefault(seed, f"{node.name}: {problem}")
-                result.failed_forced |= seeds & roles.forced
-            decision = replicate_all(node, visible)
-        result.decisions[node] = decision
-        result.placements[node] = decision.output
-        visible[node] = R if node in gathered else decision.output
-        if node in roles.colwise and any_sharded(visible[node]):
-            provenance[node] = frozenset({node})
-        elif not isinstance(decision.output, Partial):
-            carried = [provenance[n] for n in node.all_input_nodes if n in provenance
-                       and any_sharded(visible[n]) and any_sharded(decision.inputs.get(n, R))]
-            if carried:
-                provenance[node] = frozenset().union(*carried)
+    def adjust(node: Node, decision: Decision) -> Decision:
+        if node in gathered:
+            decision.visible = R
+        return decision
+
+    def is_seed(node: Node, decision: Decision) -> bool:
+        return node in roles.colwise and any_sharded(decision.seen)
+
+    swept = sweep(gm, lambda node: rule_for(node, roles), degree, adjust=adjust, is_seed=is_seed)
+    result = _Propagation(placements={node: d.output for node, d in swept.decisions.items()},
+                          decisions=swept.decisions)
+    for failure in swept.failures:
+        droppable = failure.seeds - roles.forced
+        if isinstance(failure.problem, NeedsPacking) and len(failure.seeds) == 1 and droppable:
+            result.packing[next(iter(failure.seeds))] = failure.problem.blocks
+        else:
+            for seed in droppable:
+                result.failed.setdefault(seed, f"{failure.node.name}: {failure.problem}")
+            result.failed_forced |= failure.seeds & roles.forced
     return result
 
 
@@ -149,7 +140,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             colwise={n for n in linears if forced.get(n, "colwise") == "colwise"},
             rowwise={n for n, s in forced.items() if s == "rowwise"},
             replicate={n for n, s in forced.items() if s == "replicate"},
-            forced=set(forced))
+            forced=set(forced),
+            packed={node: ctx.packed_overrides[path] for node, path in paths.items() if path in ctx.packed_overrides})
         while True:
             sweep = _propagate(gm, roles, gathered, degree)
             reasons.update(sweep.failed)
@@ -175,15 +167,14 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ctx.linear_styles[paths[linear]] = style
         if linear in reasons:
             ctx.replicated_because[paths[linear]] = reasons[linear]
-    check(gm)
     return gm
 
 
-def check(gm: GraphModule) -> None:
+def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: every node has a placement per axis and every input requirement names a real input."""
     for node in gm.graph.nodes:
         if AXIS not in node.meta.get("placements", {}):
-            raise AssertionError(f"{node.name} has no placement")
+            raise InvariantError(f"{node.name} has no placement")
         for producer in node.meta["required"][AXIS]:
             if producer not in node.all_input_nodes:
-                raise AssertionError(f"{node.name} requires a placement of {producer.name}, which it does not use")
+                raise InvariantError(f"{node.name} requires a placement of {producer.name}, which it does not use")

@@ -1,4 +1,4 @@
-"""``torch.compile(model, backend="partitioner", options={"mesh": mesh, ...})``.
+"""The torch.compile frontend: ``torch.compile(model, backend="partitioner", options={"mesh": mesh, ...})``.
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so it resolves after a plain
 install without importing this package first. Options: ``mesh`` (required: a DeviceMesh, or axis sizes for
@@ -16,6 +16,7 @@ graphs sees ordinary tensors.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -23,9 +24,8 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..agreement import DEFAULT_TIMEOUT, call_signature
-from ..errors import BackendError, InputError
+from ..errors import InputError
 from ..trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
-from . import get as get_backend
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
@@ -63,21 +63,14 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
 
     mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT))
     dynamo_inputs = _graph_inputs(gm, example_inputs)
-    partitioned = build_agreed(lambda: _partition(gm, example_inputs, dynamo_inputs, mesh, options, partition_traced),
-                               mesh, groups, {"plan": options.get("plan")})
+    build = functools.partial(_partition, gm, example_inputs, dynamo_inputs, mesh, options, partition_traced)
+    partitioned = build_agreed(build, mesh, groups, {"plan": options.get("plan")})
     inputs = partitioned.ctx.inputs
-    if options.get("backend") == "xla":  # one process drives every device: the global plan, whole tensors
-        if partitioned.global_state is None:
-            raise BackendError("backend 'xla' drives every device from one process: give the mesh as axis sizes, "
-                               f"e.g. options={{'mesh': {mesh.sizes}, 'backend': 'xla'}}")
-        lowered, tensors = partitioned.lower_xla(**options.get("compile_options", {}))
-    else:
-        lowered = get_backend(options.get("backend", "eager"))(partitioned.graph_module, mesh=mesh,
-                                                               **options.get("compile_options", {}))
-        tensors = partitioned.state
+    lowered, tensors = partitioned.lower(options.get("backend", "eager"), **options.get("compile_options", {}))
+    tensors = dict(zip([gi.target for gi in inputs if gi.is_model_tensor], tensors()))
     # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
     sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
-    del example_inputs, tensors  # keep no reference to the full parameters (but XLA's, which it runs)
+    del example_inputs, tensors, build  # keep no reference to the full parameters (but XLA's, which it runs)
     preflight = Preflight(partitioned.planned_graph, inputs, [f"input {i}" for i in range(len(sources))])
     guard = partitioned.guard
 

@@ -1,0 +1,118 @@
+"""Running the planned graph on XLA tensors: every value is annotated with its placements, and every edge where the
+plan redistributes is annotated again on a copy, so that XLA's SPMD partitioner puts its collectives exactly where
+the plan has them."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from .errors import XlaBackendError
+from .layouts import Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec, partition_spec
+from .ops import _SPLITS, _attention, _cat_as_packed, _layer_norm, _linear, _pointwise_packed, _split_packed
+
+aten = torch.ops.aten
+
+
+def _annotate(value, placements: dict, xs, xla_mesh, mesh_axes, *, mark: bool = False):
+    """Annotate ``value`` (returned) with ``placements`` where XLA can express them: ``mark_sharding`` for data put
+    on the device, a custom sharding annotation for values computed in the graph."""
+    if isinstance(value, Packed):
+        tensor, spec = value.tensor, packed_spec(placements, value.tensor.dim() - 1, mesh_axes)
+    elif isinstance(value, Nested):
+        tensor, spec = value.tensor, partition_spec(placements, value.tensor.dim(), mesh_axes)
+    elif isinstance(value, torch.Tensor) and value.dim():
+        tensor, spec = value, partition_spec(placements, value.dim(), mesh_axes)
+    else:
+        return value
+    if spec is not None:
+        (xs.mark_sharding if mark else xs.annotate_custom_sharding)(tensor, xla_mesh, spec)
+    return value
+
+
+class _Annotator(Interpreter):
+    """Runs the planned graph on XLA tensors, annotating every value and every redistributed edge."""
+
+    def __init__(self, gm: GraphModule, xs, xla_mesh, mesh):
+        super().__init__(gm)
+        self.xs, self.xla_mesh, self.mesh, self.mesh_axes = xs, xla_mesh, mesh, mesh.axis_names
+        self.copies: dict[tuple[Node, tuple], object] = {}  # (producer, required placements) -> annotated copy
+
+    def _annotate(self, value, placements: dict):
+        return _annotate(value, placements, self.xs, self.xla_mesh, self.mesh_axes)
+
+    def _as_required(self, producer: Node, consumer: Node):
+        """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
+        differs (the edge where insert_collectives would put a collective)."""
+        value = self.env[producer]
+        current = producer.meta.get("placements", {})
+        required = dict(current)
+        for axis, requirements in consumer.meta.get("required", {}).items():
+            required[axis] = requirements.get(producer, required.get(axis))
+        if required == current or any(isinstance(p, tuple) for p in required.values()):
+            return value
+        key = (producer, tuple(sorted((axis, repr(p)) for axis, p in required.items())))
+        if key not in self.copies:
+            self.copies[key] = self._redistributed(producer, value, current, required)
+        return self.copies[key]
+
+    def _redistributed(self, producer: Node, value, current: dict, required: dict):
+        """A copy of ``value`` annotated as ``required``. Into or out of a nested uneven placement, the exchange
+        happens on the padded value (see ``Nested``), so that XLA sees equal tiles on both sides."""
+        if isinstance(value, Packed):
+            raise XlaBackendError(f"{producer.name}: redistributing a packed value is not supported")
+        if not isinstance(value, (torch.Tensor, Nested)):
+            return value
+        shape = value.tensor.shape if isinstance(value, Nested) else value.shape
+        nested = nested_uneven(required, shape, self.mesh) if isinstance(value, torch.Tensor) else None
+        if nested is not None:  # pad where the value is, exchange the padded value
+            value = self._annotate(Nested.pad(value, *nested), current)
+        if isinstance(value, Nested):
+            exchanged = self._annotate(Nested(value.tensor.clone(), value.dim, value.outer, value.local), required)
+            real = list(shape)
+            real[value.dim] = value.outer * value.local
+            if nested_uneven(required, real, self.mesh) is not None:  # still nested: stay padded
+                return exchanged
+            return self._annotate(exchanged.unpad(), required)  # the inner axis left: drop the pad, locally
+        return self._annotate(value.clone(), required)
+
+    def run_node(self, node: Node):
+        if node.op == "placeholder":
+            return next(self.args_iter)  # on the device and marked already (XlaProgram._on_device)
+        if node.op != "call_function":
+            return super().run_node(node)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._as_required(p, node))
+        value = self._call(node, args, kwargs)
+        return self._annotate(value, node.meta.get("placements", {}))
+
+    def _call(self, node: Node, args, kwargs):
+        target = node.target
+        placements = node.meta.get("placements", {})
+        if target is aten.cat.default and _packed_placement(placements) is not None:
+            packed = _cat_as_packed(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0),
+                                    _packed_placement(placements), _packed_ranks(placements, self.mesh))
+            if packed is not None:
+                return packed
+        if target is aten.linear.default:
+            return _linear(*args, **kwargs)
+        if target is aten.scaled_dot_product_attention.default:
+            nested = [a for a in args[:3] if isinstance(a, Nested)]
+            if len(nested) == 3 and len({(n.dim, n.outer, n.local, n.tensor.shape[n.dim]) for n in nested}) == 1:
+                out = _attention(*(n.tensor for n in nested), *args[3:], **kwargs)  # padded heads: zeros
+                return Nested(out, nested[0].dim, nested[0].outer, nested[0].local)
+            args = tuple(_fused(a) for a in args)
+            return _attention(*args, **kwargs)
+        if target is aten.layer_norm.default:
+            return _layer_norm(*args, **kwargs)
+        if target in _SPLITS and isinstance(args[0], Packed):
+            pieces = _split_packed(target, args[0], args, kwargs)
+            if pieces is not None:
+                return pieces
+        packed = _pointwise_packed(target, args, kwargs)
+        if packed is not None:
+            return packed
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fused)
+        return target(*args, **kwargs)
+
+    def output(self, target, args, kwargs):
+        return torch.fx.node.map_aggregate(args[0], _fused)

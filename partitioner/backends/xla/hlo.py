@@ -1,0 +1,77 @@
+"""Reading XLA's partitioned HLO text: its collectives with their replica groups, the mesh axis whose process groups
+those are, and how they differ from the plan's collectives."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.*?)\s(all-reduce|all-gather|all-to-all|collective-permute|"
+                         r"reduce-scatter)(?:-start)?\(")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}")
+
+
+@dataclass(frozen=True)
+class HloCollective:
+    name: str  # the HLO instruction
+    kind: str  # all_reduce, all_gather, all_to_all, collective_permute, reduce_scatter
+    groups: tuple[tuple[int, ...], ...]  # replica groups (collective_permute: source-target pairs)
+    shape: str  # of its result, as HLO writes it
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    if match := _IOTA_GROUPS.search(line):
+        count, size, dims, perm = match.groups()
+        ids = torch.arange(math.prod(map(int, dims.split(",")))).reshape([int(d) for d in dims.split(",")])
+        if perm:
+            ids = ids.permute([int(p) for p in perm.split(",")])
+        return tuple(map(tuple, ids.reshape(int(count), int(size)).tolist()))
+    match = _LIST_GROUPS.search(line) or _PAIRS.search(line)
+    if not match:
+        return ()
+    return tuple(tuple(int(x) for x in group.split(",") if x) for group in re.findall(r"\{([\d,]*)\}", match.group(1)))
+
+
+def hlo_collectives(hlo_text: str) -> list[HloCollective]:
+    """Every collective of an HLO module's text, with its replica groups."""
+    found = []
+    for line in hlo_text.splitlines():
+        if match := _COLLECTIVE.match(line):
+            name, shape, kind = match.groups()
+            found.append(HloCollective(name, kind.replace("-", "_"), _groups(line), shape))
+    return found
+
+
+def axis_of(groups, mesh) -> str:
+    """The mesh axis whose process groups are ``groups``, else a description of the groups. No groups (HLO's
+    ``replica_groups={}``) means all devices."""
+    normalized = sorted(sorted(group) for group in groups) or [list(range(mesh.world_size))]
+    for axis in mesh.axis_names:
+        if sorted(mesh.groups(axis)) == normalized:
+            return axis
+    if normalized == [list(range(mesh.world_size))]:
+        return "all"
+    return f"groups {normalized}"
+
+
+def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
+    """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines."""
+    got = Counter((c.kind, "pairs" if c.kind == "collective_permute" else axis_of(c.groups, mesh)) for c in found)
+    problems = []
+    for key in sorted(set(got) | set(planned)):
+        if got[key] == planned[key]:
+            continue
+        kind, axis = key
+        line = f"{kind} over {axis}: XLA has {got[key]}, the plan {planned[key]}"
+        if got[key] > planned[key]:
+            extra = [c for c in found if c.kind == kind and (kind == "collective_permute"
+                                                             or axis_of(c.groups, mesh) == axis)]
+            line += "; XLA's: " + ", ".join(f"{c.name} {c.shape} {[list(g) for g in c.groups]}" for c in extra[:8])
+        problems.append(line)
+    return problems

@@ -1,0 +1,1 @@
+"""Ways into the partitioner besides ``partitioner.partition``: ``dynamo``, the ``torch.compile`` backend."""

@@ -1,0 +1,24 @@
+"""Placement propagation rules, one file per op family, each rule registered beside its definition.
+
+- ``core``: the ``Decision`` a rule returns, the registry (``register``, ``rule_for``), shared helpers;
+- ``pointwise``: broadcasting elementwise ops (PyTorch's pointwise tag) and cast/copy/``*_like`` ops as tables;
+- ``views``: views, reshapes, permutes, slices, splits, cat, stack;
+- ``indexing``: index_select, index_copy, slice/select scatters (functionalized slice assignment);
+- ``reductions``: sums, means, norms;
+- ``linear``: ``aten.linear`` per the planner's roles (tensor axis), row by row (sequence axis);
+- ``attention``: head-sharded attention, and the Ulysses exchange on a sequence axis;
+- ``collectives``: graphs that already communicate are refused.
+
+A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decorated with
+``@register(aten.op.overload, ...)`` in the file of its family (see ``core`` for the contract).
+"""
+
+from . import attention, collectives, indexing, linear, reductions, views  # noqa: F401  (they register their rules)
+from .core import (RULES, Decision, LinearRoles, NeedsPacking, Unshardable, register, replicate_all, rule_for,
+                   shape_of)
+from .pointwise import pointwise
+from .views import view_groups, view_shard_dim
+from ..errors import PartitionError
+
+__all__ = ["RULES", "Decision", "LinearRoles", "NeedsPacking", "PartitionError", "Unshardable", "pointwise",
+           "register", "replicate_all", "rule_for", "shape_of", "view_groups", "view_shard_dim"]

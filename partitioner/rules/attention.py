@@ -1,0 +1,70 @@
+"""scaled_dot_product_attention: head (or batch) sharding for tensor parallelism; the Ulysses exchange for a
+sequence axis."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from ..placement import PackedShard, Shard
+from .core import R, Decision, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs
+
+aten = torch.ops.aten
+
+
+@register(aten.scaled_dot_product_attention.default)
+def attention(node: Node, placements, axis_size: int) -> Decision:
+    """scaled_dot_product_attention on (batch, heads, seq, head_dim): heads (and batch) may be sharded; q, k and v
+    share the sharding; a replicated q/k/v is sliced to it."""
+    q, k, v = node.args[:3]
+    sharded = sharded_inputs(node, placements)
+    if not sharded:
+        return replicate_all(node, placements)
+    dims = {p.dim for n, p in sharded.items() if n in (q, k, v)}
+    if len(dims) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
+        raise Unshardable("query, key and value are sharded differently")
+    dim = dims.pop()
+    if dim not in (0, 1):
+        raise Unshardable(f"attention over a sequence or head_dim sharded on dim {dim}")
+    if dim == 1 and shape_of(k)[1] != shape_of(q)[1]:
+        raise Unshardable("grouped-query attention (fewer key/value heads) is not sharded by heads yet")
+    inputs = {n: Shard(dim) for n in (q, k, v)}
+    for n in node.all_input_nodes:
+        if n not in inputs:  # an attention mask broadcasts like a pointwise operand
+            shape = shape_of(n)
+            local = dim - (4 - len(shape))
+            inputs[n] = R if local < 0 or shape[local] == 1 else Shard(local)
+    return Decision(Shard(dim), inputs)
+
+
+
+@register_factory(aten.scaled_dot_product_attention.default, axis="sequence")
+def make_sequence_attention(roles, axis: str) -> Callable:
+    def sequence_attention(node: Node, placements, axis_size: int) -> Decision:
+        """Ulysses: q/k/v sharded along the sequence are exchanged (all_to_all) to be sharded along heads, the
+        attention runs over the whole sequence for this rank's heads, and the output goes back to sequence
+        sharding. Heads or sequence lengths that do not divide the degree split unevenly; nothing is padded."""
+        q, k, v = node.args[:3]
+        sharded = sharded_inputs(node, placements)
+        if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
+            return attention(node, placements, axis_size)
+        if len(node.all_input_nodes) > 3:
+            raise Unshardable("sequence-parallel attention with a mask is not supported")
+        if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1]:
+            raise Unshardable("sequence-parallel attention needs self-attention with as many key as query heads")
+        info = node.meta.get("heads")
+        where = info.module if info is not None else node.name
+        # More ranks than the heads a tp rank holds is correct but leaves ranks without heads; more ranks than
+        # the model has heads is refused.
+        # Too few heads or rows for the degree: this attention is left whole (the planner records why).
+        heads = shape_of(q)[1]
+        if heads < axis_size:
+            raise Unshardable(f"{where}: {heads} attention heads cannot be spread over a {axis} degree of "
+                              f"{axis_size} (at most {heads})")
+        if shape_of(q)[2] < axis_size:
+            raise Unshardable(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
+                              f"degree of {axis_size}")
+        return Decision(Shard(1), {q: Shard(1), k: Shard(1), v: Shard(1)}, visible=Shard(2))
+    return sequence_attention

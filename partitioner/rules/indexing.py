@@ -1,0 +1,69 @@
+"""Ops that pick or write rows by index: index_select, index_copy, and the scatters functionalization makes of
+slice assignment (``x[..., a:b] = y`` becomes slice_scatter)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..placement import PackedShard, Shard, is_sharded
+from .core import R, Decision, Unshardable, norm_dim, register, shape_of
+from .pointwise import pointwise_on
+from .views import slice_like
+
+aten = torch.ops.aten
+
+
+@register(aten.index_select.default)
+def index_select(node: Node, placements, axis_size: int) -> Decision:
+    """Rows picked by an index: a sharded index picks this rank's rows of a replicated table, locally (H3's
+    per-row AdaLN parameters under sequence parallelism)."""
+    source, dim, index = node.args[:3]
+    if is_sharded(placements.get(index, R)):
+        if is_sharded(placements.get(source, R)):
+            raise Unshardable("index_select with both the table and the index sharded")
+        return Decision(Shard(norm_dim(dim, len(shape_of(source)))), {source: R, index: placements[index]})
+    return slice_like(node, placements, axis_size)
+
+
+
+@register(aten.index_copy.default)
+def index_copy(node: Node, placements, axis_size: int) -> Decision:
+    target, dim, index, source = node.args[:4]
+    ndim = len(shape_of(node))
+    dim = norm_dim(dim, ndim)
+    decision = pointwise_on(node, placements, (target, source))
+    if is_sharded(decision.output) and decision.output.dim == dim:
+        raise Unshardable("index_copy along the sharded dim")
+    decision.inputs[index] = R
+    return decision
+
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def scatter_into(node: Node, placements, axis_size: int) -> Decision:
+    """slice_scatter / select_scatter (what functionalization makes of ``x[..., a:b] = y``): ``src`` is written
+    into a slice of ``self`` along ``dim``. Along any other dim the two are sharded alike, row for row."""
+    target, src, dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0
+    ndim = len(shape_of(node))
+    dim = norm_dim(dim, ndim)
+    sharded = {n: placements[n] for n in (target, src) if is_sharded(placements.get(n, R))}
+    inputs = {n: R for n in node.all_input_nodes}
+    if not sharded:
+        return Decision(R, inputs)
+    if any(isinstance(p, PackedShard) for p in sharded.values()):
+        raise Unshardable(f"{node.target.__name__} of a packed value")
+    selected = node.target is aten.select_scatter.default  # src lacks ``dim``
+    as_target = {target: placements.get(target, R)} if target in sharded else {}
+    if src in sharded:
+        src_dim = sharded[src].dim
+        as_target[src] = Shard(src_dim + (selected and src_dim >= dim))
+    dims = {p.dim for p in as_target.values()}
+    if len(dims) != 1:
+        raise Unshardable(f"{node.target.__name__} of values sharded on different dims {sorted(dims)}")
+    out_dim = dims.pop()
+    if out_dim == dim:
+        raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
+    inputs[target] = Shard(out_dim)
+    inputs[src] = Shard(out_dim - (selected and out_dim > dim))
+    return Decision(Shard(out_dim), inputs)

@@ -1,0 +1,67 @@
+"""aten.linear: column-wise, row-wise or replicated over a tensor axis as the planner's roles say; row by row with
+the whole weight over a sequence axis."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from ..placement import PackedShard, Partial, Shard, is_sharded
+from .core import R, Decision, LinearRoles, Unshardable, register, register_factory, shape_of, with_dim
+from .views import heads_do_not_split
+
+aten = torch.ops.aten
+
+
+@register_factory(aten.linear.default, axis="tensor")
+def make_linear_rule(roles: LinearRoles, axis: str | None = None) -> Callable:
+    def linear(node: Node, placements, axis_size: int) -> Decision:
+        """y = x W^T + b. Sharded features in -> row-wise (W split on dim 1, output Partial). Replicated in ->
+        column-wise if planned (W split on dim 0), row-wise if planned (x sliced locally), else replicated.
+        Sharded rows (any other dim of x) pass through with a replicated weight."""
+        x, weight = node.args[:2]
+        bias = node.args[2] if len(node.args) > 2 else None
+        px = placements.get(x, R)
+        px = R if isinstance(px, Partial) else px
+        ndim = len(shape_of(x))
+        inputs = {x: px, weight: R}
+        if bias is not None:
+            inputs[bias] = R
+        if (is_sharded(px) and px.dim == ndim - 1) or node in roles.rowwise:
+            if node in roles.replicate or (node in roles.colwise and node in roles.forced):
+                raise Unshardable(f"{'replicated' if node in roles.replicate else 'column-wise'} linear planned by "
+                                  "the user receives sharded features")
+            feature = px if is_sharded(px) and px.dim == ndim - 1 else Shard(ndim - 1)
+            inputs[x] = feature
+            inputs[weight] = with_dim(feature, 1)
+            return Decision(Partial(), inputs)
+        if is_sharded(px):  # rows sharded (sequence parallel): each rank applies the whole weight to its rows
+            return Decision(px, inputs)
+        if node in roles.colwise:
+            out_features = shape_of(weight)[0]
+            if out_features % axis_size:
+                heads_do_not_split(node, axis_size)
+                raise Unshardable(f"{out_features} output features do not split over {axis_size} ranks")
+            blocks = roles.packed.get(node)
+            placement = PackedShard(0, blocks) if blocks else Shard(0)
+            inputs[weight] = placement
+            if bias is not None:
+                inputs[bias] = placement
+            return Decision(with_dim(placement, len(shape_of(node)) - 1), inputs)
+        return Decision(R, inputs)
+    return linear
+
+
+@register(aten.linear.default, axis="sequence")
+def row_local_linear(node: Node, placements, axis_size: int) -> Decision:
+    """Over a sequence axis a linear is applied row by row with the whole weight: rows may be sharded,
+    features may not."""
+    x = node.args[0]
+    px = placements.get(x, R)
+    if is_sharded(px) and px.dim == len(shape_of(x)) - 1:
+        raise Unshardable("features sharded over a sequence-parallel axis")
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs[x] = px
+    return Decision(px, inputs)
