@@ -27,6 +27,7 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
+	$(PY) examples/h3_pipeline.py
 
 demo-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) examples/h3_xla_spmd.py

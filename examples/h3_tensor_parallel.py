@@ -1,6 +1,7 @@
 """Tensor-parallel MiniMax-H3 on local gloo ranks, checked against the single-device model.
 
     python examples/h3_tensor_parallel.py [--tp 2] [--dump-dir DIR]
+    torchrun --nproc-per-node 2 examples/h3_tensor_parallel.py --tp 2
 
 Every rank builds the same tiny random H3 (same seed), partitions it for its place on the mesh, runs it, and prints
 the largest absolute difference of its outputs against the unpartitioned model. Rank 0 then prints the report.
@@ -13,7 +14,7 @@ import argparse
 import torch
 
 import partitioner
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, h3_inputs, launch, tiny_h3
 
 
 def run_rank(rank: int, world: int, dump_dir: str | None) -> dict:
@@ -36,7 +37,9 @@ def main() -> None:
     parser.add_argument("--dump-dir", help="write rank 0's graph after every pass here")
     args = parser.parse_args()
 
-    results = run_ranks(args.tp, run_rank, args.dump_dir)
+    results = launch(args.tp, run_rank, args.dump_dir)
+    if results is None:  # torchrun: rank 0 reports
+        return
     print(f"tiny MiniMax-H3 {TINY_H3['num_attention_heads']} heads x {TINY_H3['attention_head_dim']}, "
           f"{TINY_H3['num_layers']} blocks, TP={args.tp}, float32")
     for rank, result in enumerate(results):

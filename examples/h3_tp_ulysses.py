@@ -1,6 +1,7 @@
 """MiniMax-H3 with tensor parallelism and Ulysses sequence parallelism on one mesh, checked against one device.
 
     python examples/h3_tp_ulysses.py [--tp 2] [--ulysses 2] [--heads 6] [--dump-dir DIR]
+    torchrun --nproc-per-node 4 examples/h3_tp_ulysses.py --tp 2 --ulysses 2
 
 Every rank builds the same tiny random H3 (same seed), partitions it for its place on a (tp, ulysses) mesh, runs it,
 and prints the largest absolute difference against the unpartitioned model. The packed sequence has 23 rows and the
@@ -14,7 +15,7 @@ import argparse
 import torch
 
 import partitioner
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, h3_inputs, launch, tiny_h3
 
 
 def run_rank(rank: int, world: int, tp: int, ulysses: int, heads: int, dump_dir: str | None) -> dict:
@@ -39,7 +40,9 @@ def main() -> None:
     parser.add_argument("--dump-dir", help="write rank 0's graph after every pass here")
     args = parser.parse_args()
 
-    results = run_ranks(args.tp * args.ulysses, run_rank, args.tp, args.ulysses, args.heads, args.dump_dir)
+    results = launch(args.tp * args.ulysses, run_rank, args.tp, args.ulysses, args.heads, args.dump_dir)
+    if results is None:  # torchrun: rank 0 reports
+        return
     print(f"tiny MiniMax-H3 {args.heads} heads x {TINY_H3['attention_head_dim']}, {TINY_H3['num_layers']} blocks, "
           f"23 packed rows, TP={args.tp} x Ulysses={args.ulysses}, float32")
     for rank, result in enumerate(results):

@@ -6,10 +6,11 @@ from .backends.xla import CollectiveMismatch, XlaBackendError
 from .errors import (BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError, MissingWeights,
                      NotFound, PartitionError, PartitionerError, PartitionUnusable, PartitionWarning,
                      RankDisagreement, TraceError, VerificationError)
+from .pipelines import parallelize
 from .placement import PackedShard
 from .plans import Plan, plan
 
 __all__ = ["BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
            "MissingWeights", "NeuronLegalityError", "NotFound", "PackedShard", "PartitionError", "PartitionUnusable",
            "PartitionWarning", "Partitioned", "PartitionerError", "Plan", "RankDisagreement", "TraceError",
-           "VerificationError", "XlaBackendError", "partition", "plan"]
+           "VerificationError", "XlaBackendError", "parallelize", "partition", "plan"]

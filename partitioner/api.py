@@ -14,7 +14,8 @@ import torch
 from . import backends
 from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
 from .checkpoint import load_shards
-from .errors import BackendError, CheckpointError, InputError, MissingWeights, NotFound, VerificationError
+from .errors import (BackendError, CheckpointError, InputError, MissingWeights, NotFound, PartitionError,
+                     VerificationError)
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
@@ -43,6 +44,8 @@ class Partitioned:
         self.checkpoint = None  # (path, strict) of the last load_weights
         self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
         self.source = None  # weak reference to the model, for verify()
+        self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
+        self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
         traced.state = {}
 
@@ -60,6 +63,36 @@ class Partitioned:
         self.checkpoint = (path, strict)
         self._whole = None
         return self
+
+    def specialize(self, example_inputs) -> "Partitioned":
+        """This partition for other input shapes: the skeleton traced on ``example_inputs`` and this partition's
+        plan applied (its sequence seeds re-derived if the new trace names values differently), sharing this rank's
+        weights, its process groups and its guard. Every rank must call it with inputs of the same shapes."""
+        if self.skeleton is None:
+            raise InputError(f"{self.model_name}: this partition serves only the traced shapes (it was not made by "
+                             "partition() from a module); partition again for other shapes")
+        plan = Plan.of(self)
+
+        def build() -> Partitioned:
+            traced = trace(self.skeleton, example_inputs)
+            try:
+                new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds)
+            except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
+                traced = trace(self.skeleton, example_inputs)
+                new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
+                                       plan=dataclasses.replace(plan, sequence_seeds=None))
+                new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
+            if new.slice_specs != self.slice_specs:
+                raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
+                                     "the traced ones; partition again for them")
+            new.state, new.global_state, new.checkpoint = self.state, self.global_state, self.checkpoint
+            new.model_config, new.model_dtype, new.skeleton, new.source = \
+                self.model_config, self.model_dtype, self.skeleton, self.source
+            return new
+
+        specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
+        specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
+        return specialized
 
     def rank_tensors(self) -> list[torch.Tensor]:
         """This rank's tensors in the order the program takes them: what compiled callables read at every call, so
@@ -142,8 +175,9 @@ class Partitioned:
         ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (legalises and checks
         its rules, then needs torch-neuronx; options ``pad_sequence``, ``text_rows``) or "xla" (one process drives
         every device through XLA SPMD; option ``verify``); see ``partitioner.backends``."""
-        lowered, tensors = self.lower(backend, **options)
-        return CompiledPartition(lowered, self, backend, tensors=tensors)
+        from .module import PartitionedModule
+
+        return PartitionedModule(self, backend, options)
 
     def lower(self, backend: str = "eager", **options):
         """The backend's program and what gives it its tensors at each call: this rank's program and shards for a
@@ -246,7 +280,26 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks)
     partitioned = build_agreed(build, spec, groups, options)
     partitioned.source = weakref.ref(model)
+    partitioned.skeleton = _skeleton(model)
+    partitioned.model_config = getattr(model, "config", None)
+    partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return partitioned
+
+
+def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without weights, to trace again for other input shapes: a diffusers model rebuilt from its config
+    on the meta device; any other model is kept as it is (its weights stay referenced)."""
+    if all(p.is_meta for p in model.parameters()):
+        return model
+    if hasattr(model, "config") and hasattr(type(model), "from_config"):
+        with torch.device("meta"):
+            skeleton = type(model).from_config(model.config)
+        originals = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]:
+            if name in originals and tensor.dtype != originals[name].dtype:  # mixed precision, as the model has it
+                tensor.data = tensor.data.to(originals[name].dtype)
+        return skeleton.train(model.training)
+    return model
 
 
 def mesh_with_groups(mesh, rank: int, timeout: float):
@@ -309,7 +362,7 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
         overrides = plan.linear_overrides()
         ctx.plan = {path: style for path, (style, _) in overrides.items()}
         ctx.packed_overrides = {path: blocks for path, (_, blocks) in overrides.items() if blocks}
-        ctx.given_sequence_seeds = dict(plan.sequence_seeds)
+        ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
         ctx.bounds = {**plan.bounds, **ctx.bounds}
     else:
         ctx.plan = dict(plan or {})

@@ -31,6 +31,8 @@ class PassContext:
     sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it took (the runner)
+    specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why
+    replanned: str = ""  # why a specialisation could not take the whole plan (its sequence seeds), if so
 
     def placeholder_inputs(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, GraphInput]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

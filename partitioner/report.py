@@ -31,6 +31,7 @@ class Report:
     activation_peak_bytes: int  # estimate: most bytes of intermediate values alive at once, run in graph order
     linear_styles: dict[str, str] = field(default_factory=dict)
     hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs in the host prologue
+    specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why
 
     @property
     def total_parameter_bytes(self) -> int:
@@ -60,6 +61,9 @@ class Report:
                          + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
         styles = Counter(self.linear_styles.values())
         lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
+        if self.specializations:
+            lines.append(f"  shape specialisations built: {len(self.specializations)}")
+            lines += [f"    {shapes}: {why}" for shapes, why in self.specializations.items()]
         return "\n".join(lines)
 
 
@@ -143,4 +147,5 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
         if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
-                  activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {})
+                  activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {},
+                  dict(ctx.specializations))

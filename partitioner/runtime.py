@@ -52,7 +52,9 @@ class CompiledPartition:
         self.user_index = [gi.target for gi in traced.inputs if gi.kind == "user"]
         placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
-        self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, input_names(traced.in_spec))
+        names = input_names(traced.in_spec)
+        self.user_names = [names[i] for i in self.user_index]
+        self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, names)
 
     @property
     def state(self) -> list[torch.Tensor]:
@@ -88,6 +90,14 @@ class CompiledPartition:
                 raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on "
                                  f"{self.device}")
         return flat, [flat[i] for i in self.user_index], return_dict
+
+    def accepts(self, args, kwargs) -> bool:
+        """Whether this program takes the call as it is (its shapes, dtypes, structure and constants)."""
+        try:
+            self.flatten(args, kwargs)
+        except InputError:
+            return False
+        return True
 
     def _raise_structure_mismatch(self, named: dict) -> None:
         traced = pytree.tree_unflatten([object()] * self.traced.in_spec.num_leaves, self.traced.in_spec)[1]

@@ -285,6 +285,22 @@ class RankPool:
         self.close()
 
 
+def launch(world: int, fn, *args) -> list | None:
+    """``fn(rank, world, *args)`` on every rank, under torchrun (this process is one rank: the group is initialised
+    from its environment) or, run directly, on ``world`` local processes. Returns the per-rank results on rank 0
+    (and when run directly), None on the other ranks."""
+    if "RANK" not in os.environ:
+        return run_ranks(world, fn, *args)
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        results = [None] * world
+        dist.all_gather_object(results, fn(rank, world, *args))
+        return results if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
 # A realistic packed length for full-size H3: 512 text rows, 36864 video rows (e.g. 32 frames of 48 x 24 patches),
 # 512 audio rows: 37888 in all.
 FULL_H3_ROWS = dict(text=512, video=36864, audio=512)

@@ -142,6 +142,14 @@ def _inline_constant_arguments(gm: torch.fx.GraphModule, inputs: list[GraphInput
     return kept
 
 
+def _inputs_on_meta_for_meta_model(model: torch.nn.Module, named: dict) -> dict:
+    """A model built on the meta device (to be filled by ``load_weights``) traced with real example inputs, as a
+    pipeline hands them over: the trace needs only their shapes and dtypes, so they go to the meta device too."""
+    if not any(p.is_meta for p in model.parameters()):  # (buffers may be real: init_empty_weights keeps them)
+        return named
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), named)
+
+
 def trace(model: torch.nn.Module, example_inputs) -> Traced:
     """Export ``model`` called with ``example_inputs = (args, kwargs)``, keyword-normalised."""
     owner = type(model).__name__
@@ -158,6 +166,7 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
         named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
         raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
+    named = _inputs_on_meta_for_meta_model(model, named)
     try:
         with torch.no_grad():  # partitions are for inference: no autograd state in the graph (out= ops need it)
             program = torch.export.export(model, (), kwargs=named)

@@ -216,6 +216,14 @@ def test_meta_model_with_loaded_weights(tmp_path):
         expected = model(**inputs, return_dict=False)
     for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
         torch.testing.assert_close(a, e, **TOLERANCE)
+    # load_weights after compile: the compiled program reads the new checkpoint's whole tensors
+    other = tiny_h3(seed=1)
+    other.save_pretrained(tmp_path / "other")
+    partitioned.load_weights(tmp_path / "other")
+    with torch.no_grad():
+        expected = other(**inputs, return_dict=False)
+    for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE)
 
 
 def test_verify_after_an_unverified_compile_of_the_same_graph_says_why():

@@ -1,0 +1,106 @@
+"""What ``Partitioned.compile`` returns: a module a pipeline uses in place of the model it partitions.
+
+``forward`` has the model's own signature (positional and keyword arguments, ``return_dict``, ``attention_kwargs``
+where the model takes it; ``inspect.signature(module.forward)`` shows it, as pipelines read it), and ``config``,
+``dtype`` and ``device`` are the model's.
+
+A call whose tensor shapes differ from the traced ones (another resolution or text length, another number of
+distinct timesteps) is served by a shape specialisation (``Partitioned.specialize``): the model's skeleton (on the
+meta device) is traced again for the new shapes and the partition's own plan is applied to it, with this rank's
+weights shared. Every rank builds it on the same call, and the ranks compare the new plan as ``partition`` does. At
+most ``max_specializations`` are kept besides the traced shapes, the least recently used dropped first;
+``specializations`` (and ``Partitioned.report()``) say which were built and why.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import InputError
+from .runtime import CompiledPartition
+from .trace import bind_forward
+
+
+class PartitionedModule(torch.nn.Module):
+    def __init__(self, partitioned, backend: str, options: dict, max_specializations: int = 8):
+        super().__init__()
+        lowered, tensors = partitioned.lower(backend, **options)
+        self._first = CompiledPartition(lowered, partitioned, backend, tensors=tensors)
+        self._partitioned, self._backend, self._options = partitioned, backend, dict(options)
+        self._cache: OrderedDict = OrderedDict()  # call shape signature -> CompiledPartition
+        self.max_specializations = max_specializations
+        self.specializations: dict[str, str] = {}
+        self.config = partitioned.model_config
+        signature = self._first.traced.signature
+
+        def forward(*args, **kwargs):
+            return self._call(*args, **kwargs)
+
+        forward.__signature__ = signature  # what pipelines inspect
+        forward.__doc__ = f"{partitioned.model_name}.forward, partitioned over {partitioned.mesh}"
+        self.forward = forward
+
+    @property
+    def partitioned(self):
+        return self._partitioned
+
+    def __getattr__(self, name: str):
+        """The traced shapes' program answers what the module does not have (``stats``, ``lowered``, ``state``,
+        ``preflight``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            first = self.__dict__.get("_first")
+            if first is None or name.startswith("__"):
+                raise
+            return getattr(first, name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._partitioned.model_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._first.device
+
+    def _call(self, *args, **kwargs):
+        named = bind_forward(self._first.traced.signature, args, kwargs, self._partitioned.model_name, InputError)
+        key = _shape_signature(named)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._first if self._first.accepts(args, kwargs) else self._specialize(args, kwargs, named)
+            self._cache[key] = compiled
+            self._evict()
+        self._cache.move_to_end(key)
+        return compiled(*args, **kwargs)
+
+    def _specialize(self, args, kwargs, named: dict) -> CompiledPartition:
+        specialized = self._partitioned.specialize((args, kwargs))
+        lowered, tensors = specialized.lower(self._backend, **self._options)
+        traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
+        shapes = ", ".join(f"{name}{list(t.shape)}" for name, t in _tensors(named) if traced.get(name) != list(t.shape))
+        self.specializations[shapes] = ("shapes other than the traced ones: the plan applied to a new trace"
+                                        + (f" ({specialized.ctx.replanned})" if specialized.ctx.replanned else ""))
+        self._partitioned.ctx.specializations = dict(self.specializations)
+        return CompiledPartition(lowered, specialized, self._backend, tensors=tensors)
+
+    def _evict(self) -> None:
+        """Keep the traced shapes and the ``max_specializations`` most recently used others."""
+        others = [key for key, compiled in self._cache.items() if compiled is not self._first]
+        for key in others[:max(0, len(others) - self.max_specializations)]:
+            del self._cache[key]
+
+
+def _tensors(named: dict) -> list[tuple[str, torch.Tensor]]:
+    leaves = pytree.tree_flatten_with_path(named)[0]
+    return [(pytree.keystr(path).removeprefix("['").removesuffix("']"), leaf) for path, leaf in leaves
+            if isinstance(leaf, torch.Tensor)]
+
+
+def _shape_signature(named: dict) -> tuple:
+    """A call's shape signature: its structure, every tensor's shape and dtype, every other leaf's value."""
+    leaves, spec = pytree.tree_flatten(named)
+    return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in leaves))
