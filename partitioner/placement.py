@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from .errors import PartitionError
+
 __all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "local_shape", "shard_slices", "shorthand"]
 
 
@@ -60,11 +62,11 @@ def shard_slices(placement, size: int, num: int, index: int) -> list[tuple[int, 
     if not isinstance(placement, PackedShard):
         return [shard_range(size, num, index)]
     if sum(placement.blocks) != size:
-        raise ValueError(f"packed blocks {list(placement.blocks)} do not add up to the dimension size {size}")
+        raise PartitionError(f"packed blocks {list(placement.blocks)} do not add up to the dimension size {size}")
     ranges, offset = [], 0
     for block in placement.blocks:
         if block % num:
-            raise ValueError(f"a block of size {block} does not split evenly over {num} ranks")
+            raise PartitionError(f"a block of size {block} does not split evenly over {num} ranks")
         step = block // num
         ranges.append((offset + index * step, offset + (index + 1) * step))
         offset += block

@@ -25,7 +25,7 @@ import torch
 
 from .api import partition_traced
 from .mesh import as_mesh_spec
-from .rules import PartitionError
+from .errors import InputError, PartitionError
 from .trace import trace
 
 aten = torch.ops.aten
@@ -108,11 +108,11 @@ def build_meta_model(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.n
         path = Path(model)
         path = path / "config.json" if path.is_dir() else path
         if not path.exists():
-            raise ValueError(f"{model!r} is neither a known model ({sorted(MODELS)}) nor a config file")
+            raise InputError(f"{model!r} is neither a known model ({sorted(MODELS)}) nor a config file")
         config = json.loads(path.read_text())
         cls = getattr(diffusers, config.get("_class_name", ""), None)
         if cls is None:
-            raise ValueError(f"{path}: '_class_name' {config.get('_class_name')!r} is not a diffusers model class")
+            raise InputError(f"{path}: '_class_name' {config.get('_class_name')!r} is not a diffusers model class")
     with torch.device("meta"):
         built = cls() if config is None else cls.from_config(config)
     return apply_dtype(built.eval(), dtype)
@@ -124,7 +124,7 @@ def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = to
     from .testing import h3_inputs
 
     if type(model).__name__ != "MiniMaxH3Transformer3DModel":
-        raise ValueError(f"no input layout is known for {type(model).__name__}; use the Python API with your own "
+        raise InputError(f"no input layout is known for {type(model).__name__}; use the Python API with your own "
                          "example_inputs")
     text = min(512, seq_len // 4)
     audio = max(1, seq_len // 74)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import InputError, NotFound
+from ..errors import InputError, InvariantError, NotFound
 
 TAKES = ("rank", "global")
 
@@ -43,7 +43,7 @@ BACKENDS: dict[str, Backend] = {}
 
 def register(backend: Backend) -> Backend:
     if backend.takes not in TAKES:
-        raise ValueError(f"backend {backend.name!r}: takes must be one of {TAKES}")
+        raise InvariantError(f"backend {backend.name!r}: takes must be one of {TAKES}")
     BACKENDS[backend.name] = backend
     return backend
 

@@ -1,18 +1,9 @@
-"""Helpers for examples, tests and benchmarks: a tiny random MiniMax-H3, its packed inputs, and local gloo ranks."""
+"""Small models and their inputs for examples, tests and benchmarks: a tiny random MiniMax-H3 and its packed
+inputs, Flux, CogVideoX and CogView4 (which rotate q/k in place), H3's denoising step, and model idioms."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import sys
-import tempfile
-import traceback
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -166,140 +157,6 @@ def cogview4_inputs(model, *, text: int = 8, height: int = 8, width: int = 8, ba
     return kwargs
 
 
-def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
-    # Rendezvous through a file, not a TCP port: no race for a free port between parallel tests. Gloo's own
-    # connections use loopback ports the OS assigns.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        torch.save({"ok": result}, Path(out_dir) / f"{rank}.pt")
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"{rank}.pt")
-        raise
-    finally:
-        dist.destroy_process_group()
-    # Skip the interpreter's teardown: with compile workers alive, torch 2.9 can abort there ("terminate called
-    # without an active exception") after the rank's work is done and saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(world: int, fn, *args) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo processes; returns the per-rank results in rank order.
-    ``fn`` must be importable (a module-level function)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.start_processes(_worker, args=(world, out_dir, fn, args), nprocs=world,
-                               start_method="spawn", join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            pass  # the rank's own traceback, or its missing result, is reported below
-        results = []
-        for rank in range(world):
-            path = Path(out_dir) / f"{rank}.pt"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} died without a result")
-            payload = torch.load(path, weights_only=False)
-            if "error" in payload:
-                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
-            results.append(payload["ok"])
-        return results
-
-
-
-@contextlib.contextmanager
-def broken_rule(target, rule):
-    """Test-only fault injection: plan with ``rule`` for the op ``target``, as a bug in a rule would (``verify``
-    must find what it breaks)."""
-    from .rules import RULES
-
-    key = ("any", target)
-    saved = RULES.get(key)
-    RULES[key] = rule
-    try:
-        yield
-    finally:
-        if saved is None:
-            del RULES[key]
-        else:
-            RULES[key] = saved
-
-
-def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    for fn, args in iter(tasks.get, None):
-        try:
-            results.put((rank, "ok", fn(rank, world, *args)))
-        except BaseException as error:  # reported to the test, which decides
-            results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-class RankPool:
-    """``world`` gloo ranks kept alive between tasks, so that many small cases (a property test's examples) pay
-    for process start-up and imports once: ``pool.run(fn, *args)`` runs ``fn(rank, world, *args)`` on every rank
-    and returns the results in rank order. Use as a context manager."""
-
-    def __init__(self, world: int):
-        context = mp.get_context("spawn")
-        self.world, self.dir = world, tempfile.TemporaryDirectory()
-        self.tasks = [context.Queue() for _ in range(world)]
-        self.results = context.Queue()
-        self.processes = [context.Process(target=_pool_worker, daemon=True,
-                                          args=(rank, world, self.dir.name, self.tasks[rank], self.results))
-                          for rank in range(world)]
-        for process in self.processes:
-            process.start()
-
-    def run(self, fn, *args, timeout: float = 300) -> list:
-        for queue in self.tasks:
-            queue.put((fn, args))
-        results = {}
-        for _ in range(self.world):
-            rank, kind, value = self.results.get(timeout=timeout)
-            if kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-        return [results[rank] for rank in range(self.world)]
-
-    def close(self) -> None:
-        for queue in self.tasks:
-            queue.put(None)
-        for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-        self.dir.cleanup()
-
-    def __enter__(self) -> "RankPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def launch(world: int, fn, *args) -> list | None:
-    """``fn(rank, world, *args)`` on every rank, under torchrun (this process is one rank: the group is initialised
-    from its environment) or, run directly, on ``world`` local processes. Returns the per-rank results on rank 0
-    (and when run directly), None on the other ranks."""
-    if "RANK" not in os.environ:
-        return run_ranks(world, fn, *args)
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        results = [None] * world
-        dist.all_gather_object(results, fn(rank, world, *args))
-        return results if rank == 0 else None
-    finally:
-        dist.destroy_process_group()
-
 
 # A realistic packed length for full-size H3: 512 text rows, 36864 video rows (e.g. 32 frames of 48 x 24 patches),
 # 512 audio rows: 37888 in all.
@@ -313,19 +170,6 @@ def full_h3_on_meta(timesteps: int = 2):
     with torch.device("meta"):
         model = MiniMaxH3Transformer3DModel()
     return model, h3_inputs(dict(model.config), **FULL_H3_ROWS, timesteps=timesteps, device="meta")
-
-
-@contextlib.contextmanager
-def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int):
-    """A DeviceMesh on PyTorch's fake process group: plan rank ``rank`` of a large job in this one process."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
-    try:
-        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
-    finally:
-        dist.destroy_process_group()
 
 
 class H3DenoiseStep(torch.nn.Module):
@@ -441,3 +285,6 @@ def idiom_cases() -> dict:
         "view_heads_odd_rows": (ViewHeads, {"x": x(1, 5, 32)}),
         "masked": (MaskedAttention, {"x": x(1, 6, 32), "mask": x(1, 1, 6, 6) > -1}),
     }
+
+
+__all__ = ['FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']
