@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError
+from .errors import InputError, TraceError
 from .runtime import CompiledPartition
 from .trace import bind_forward
 
@@ -46,6 +46,11 @@ class PartitionedModule(torch.nn.Module):
     @property
     def partitioned(self):
         return self._partitioned
+
+    @property
+    def program(self) -> CompiledPartition:
+        """The program of the traced shapes alone: it refuses any other call with an ``InputError``."""
+        return self._first
 
     def __getattr__(self, name: str):
         """The traced shapes' program answers what the module does not have (``stats``, ``lowered``, ``state``,
@@ -78,10 +83,16 @@ class PartitionedModule(torch.nn.Module):
         return compiled(*args, **kwargs)
 
     def _specialize(self, args, kwargs, named: dict) -> CompiledPartition:
-        specialized = self._partitioned.specialize((args, kwargs))
-        lowered, tensors = specialized.lower(self._backend, **self._options)
         traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
         shapes = ", ".join(f"{name}{list(t.shape)}" for name, t in _tensors(named) if traced.get(name) != list(t.shape))
+        try:
+            specialized = self._partitioned.specialize((args, kwargs))
+        except TraceError as error:  # the model itself cannot run these inputs
+            why = str(error).splitlines()[0]
+            raise InputError(f"{self._partitioned.model_name}: a call with {shapes or 'other arguments'} (traced: "
+                             + ", ".join(f"{name}{shape}" for name, shape in traced.items() if name in shapes)
+                             + f") differs from the traced one and the model cannot be traced for it: {why}") from error
+        lowered, tensors = specialized.lower(self._backend, **self._options)
         self.specializations[shapes] = ("shapes other than the traced ones: the plan applied to a new trace"
                                         + (f" ({specialized.ctx.replanned})" if specialized.ctx.replanned else ""))
         self._partitioned.ctx.specializations = dict(self.specializations)

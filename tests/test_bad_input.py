@@ -206,12 +206,18 @@ def _call_compiled(rank, world):
     compiled = partition(tiny_h3(), mesh, ((), inputs)).compile()
     as_dict = compiled(**inputs)
     as_tuple = compiled(**inputs, return_dict=False)
-    scaled = partition(Scaled(), mesh, ((torch.randn(2, 8),), {"scale": 2.0})).compile()
+    scaled_model = Scaled()
+    scaled = partition(scaled_model, mesh, ((torch.randn(2, 8),), {"scale": 2.0})).compile()
     unnamed = init_device_mesh("cpu", (1,))
+    x = torch.randn(2, 8)
     return {
-        "shape": _caught(lambda: compiled(**dict(inputs, hidden_states=torch.randn(1, 10, 16)))),
-        "constant": _caught(lambda: scaled(torch.randn(2, 8), scale=3.0)),
-        "structure": _caught(lambda: compiled(**inputs, attention_kwargs={"scale": 1.0})),
+        "shape": _caught(lambda: compiled.program(**dict(inputs, hidden_states=torch.randn(1, 10, 16)))),
+        "constant": _caught(lambda: scaled.program(x, scale=3.0)),
+        "structure": _caught(lambda: compiled.program(**inputs, attention_kwargs={"scale": 1.0})),
+        # the drop-in module serves other constants and structures with a specialisation; a call the model cannot
+        # run is still a named error
+        "served_constant": torch.allclose(scaled(x, scale=3.0), scaled_model(x, scale=3.0), rtol=1e-6, atol=1e-6),
+        "unservable": _caught(lambda: compiled(**dict(inputs, hidden_states=torch.randn(1, 10, 16)))),
         "missing": _caught(lambda: compiled(**{k: v for k, v in inputs.items() if k != "timestep"})),
         "unnamed_mesh": _caught(lambda: partition(Scaled(), unnamed, ((torch.randn(2, 8),), {}))),
         "tuple_type": type(as_tuple).__name__,
@@ -231,6 +237,15 @@ def test_call_with_wrong_shape(called):
     kind, message = called["shape"]
     assert kind == InputError.__name__
     assert "hidden_states" in message and "[1, 10, 16]" in message and "[1, 12, 16]" in message
+
+
+def test_the_drop_in_serves_other_constants_and_names_calls_it_cannot_serve(called):
+    """The module compile() returns traces again for another constant; a call the model itself cannot run (10 video
+    rows with 12 video indices) is an InputError naming the argument, both shapes and the trace's reason."""
+    assert called["served_constant"]
+    kind, message = called["unservable"]
+    assert kind == InputError.__name__
+    assert "hidden_states[1, 10, 16]" in message and "hidden_states[1, 12, 16]" in message and "traced" in message
 
 
 def test_call_with_changed_constant(called):
