@@ -153,8 +153,9 @@ class CallGuard:
             raise PartitionUnusable(f"an earlier call failed after its first collective ({self.broken}); the ranks' "
                                     "message streams may be out of step: partition the model again on every rank")
 
-    def agree(self, problem: InputError | None, signature: int) -> None:
-        """One all_reduce: which ranks rejected this call, and whether every rank's call looks alike."""
+    def agree(self, problem: InputError | None, signature: int, describe=None) -> None:
+        """One all_reduce: which ranks rejected this call, and whether every rank's call looks alike (``signature``;
+        ``describe()``: the call's shapes in words, exchanged only when the signatures differ)."""
         self.check_usable()
         if self.groups is None:
             if problem is not None:
@@ -182,8 +183,11 @@ class CallGuard:
         signatures = status[:, 1].tolist()
         if len(set(signatures)) > 1:
             odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
-            raise InputError(f"rank(s) {odd} were called with other input shapes, dtypes or options than rank 0; "
-                             "every rank must make the same call (its own data, the same shapes)")
+            calls = _exchange(self.groups, describe() if describe is not None else "", "the input agreement")
+            differ = "; ".join(f"rank {r}: {calls[r]}" for r in [0, *odd] if calls[r])
+            raise InputError(f"rank(s) {odd} were called with other input shapes, dtypes or options than rank 0"
+                             + (f" ({differ})" if differ else "")
+                             + "; every rank must make the same call (its own data, the same shapes)")
 
     @contextlib.contextmanager
     def running(self, programs: list[torch.fx.GraphModule]):

@@ -20,7 +20,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError, TraceError
-from .runtime import CompiledPartition
+from .agreement import call_signature
+from .runtime import CompiledPartition, call_arguments, describe_call
 from .trace import bind_forward
 
 
@@ -76,7 +77,13 @@ class PartitionedModule(torch.nn.Module):
         key = _shape_signature(named)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._first if self._first.accepts(args, kwargs) else self._specialize(args, kwargs, named)
+            if self._first.accepts(args, kwargs):
+                compiled = self._first
+            else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
+                traced_named, _ = call_arguments(self._first.traced.signature, args, kwargs, self._partitioned.model_name)
+                self._partitioned.guard.agree(None, call_signature(pytree.tree_leaves(((), traced_named))),
+                                              lambda: describe_call(named))
+                compiled = self._specialize(args, kwargs, named)
             self._cache[key] = compiled
             self._evict()
         self._cache.move_to_end(key)

@@ -62,10 +62,7 @@ class CompiledPartition:
 
     def flatten(self, args, kwargs) -> tuple[list, list, bool | None]:
         """All flattened forward arguments, those the device graph takes, and the call's return_dict."""
-        named = bind_forward(self.traced.signature, args, kwargs, self.owner, InputError)
-        return_dict = named.get("return_dict")
-        if "return_dict" in named:
-            named["return_dict"] = True  # traced that way; converted back below
+        named, return_dict = call_arguments(self.traced.signature, args, kwargs, self.owner)
         leaves, spec = pytree.tree_flatten_with_path(((), named))
         flat = [leaf for _, leaf in leaves]
         names = [pytree.keystr(path[1:]) for path, _ in leaves]
@@ -135,11 +132,12 @@ class CompiledPartition:
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
                 self.lowered.check_inputs(*self.tensors(), *user, *hosted)
             signature = call_signature(flat)
-        except InputError as error:
+        except InputError as error:  # (its signature stays 0: the rejection is what the ranks learn)
             problem = error
         except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection
             problem = InputError(f"{self.owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
-        self.guard.agree(problem, signature)
+        self.guard.agree(problem, signature, lambda: describe_call(bind_forward(self.traced.signature, args, kwargs,
+                                                                                self.owner, InputError)))
         with self.guard.running([self.partitioned.graph_module, self.lowered]):
             out = list(self.lowered(*self.tensors(), *user, *hosted))
         for index, dim, expression in self.host.trims if self.host is not None else ():
@@ -148,6 +146,24 @@ class CompiledPartition:
         if return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+def call_arguments(signature, args, kwargs, owner: str) -> tuple[dict, bool | None]:
+    """A call's arguments by name as the trace took them (``return_dict`` traced as True), and its return_dict."""
+    named = bind_forward(signature, args, kwargs, owner, InputError)
+    return_dict = named.get("return_dict")
+    if "return_dict" in named:
+        named["return_dict"] = True  # traced that way; converted back after the call
+    return named, return_dict
+
+
+def describe_call(named: dict) -> str:
+    """A call's tensor shapes in words, for messages that compare calls."""
+    described = []
+    for path, leaf in pytree.tree_flatten_with_path(named)[0]:
+        if isinstance(leaf, torch.Tensor):
+            described.append(pytree.keystr(path).removeprefix("['").removesuffix("']") + str(list(leaf.shape)))
+    return ", ".join(described)
 
 
 def input_names(in_spec: pytree.TreeSpec) -> list[str]:
