@@ -217,7 +217,7 @@ def _call_compiled(rank, world):
         # the drop-in module serves other constants and structures with a specialisation; a call the model cannot
         # run is still a named error
         "served_constant": torch.allclose(scaled(x, scale=3.0), scaled_model(x, scale=3.0), rtol=1e-6, atol=1e-6),
-        "unservable": _caught(lambda: compiled(**dict(inputs, hidden_states=torch.randn(1, 10, 16)))),
+        "unservable": _caught(lambda: compiled(**dict(inputs, hidden_states=torch.randn(1, 12, 8)))),
         "missing": _caught(lambda: compiled(**{k: v for k, v in inputs.items() if k != "timestep"})),
         "unnamed_mesh": _caught(lambda: partition(Scaled(), unnamed, ((torch.randn(2, 8),), {}))),
         "tuple_type": type(as_tuple).__name__,
@@ -240,12 +240,12 @@ def test_call_with_wrong_shape(called):
 
 
 def test_the_drop_in_serves_other_constants_and_names_calls_it_cannot_serve(called):
-    """The module compile() returns traces again for another constant; a call the model itself cannot run (10 video
-    rows with 12 video indices) is an InputError naming the argument, both shapes and the trace's reason."""
+    """The module compile() returns traces again for another constant; a call the model itself cannot run (8 patch
+    channels where proj_in takes 16) is an InputError naming the argument, both shapes and the trace's reason."""
     assert called["served_constant"]
     kind, message = called["unservable"]
     assert kind == InputError.__name__
-    assert "hidden_states[1, 10, 16]" in message and "hidden_states[1, 12, 16]" in message and "traced" in message
+    assert "hidden_states[1, 12, 8]" in message and "hidden_states[1, 12, 16]" in message and "traced" in message
 
 
 def test_call_with_changed_constant(called):
