@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, InputError, PartitionerError, PartitionUnusable, RankDisagreement
+from .errors import CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
 
 DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
 _GROUPS: dict[tuple, "RankGroups"] = {}  # groups are costly to create: reused across partitions of one mesh
@@ -254,5 +254,5 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "PartitionerError", "RankGroups", "agree_on_plan", "bounded_groups",
+__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "RankGroups", "agree_on_plan", "bounded_groups",
            "call_signature", "plan_lines"]
