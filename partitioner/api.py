@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import weakref
@@ -15,15 +16,16 @@ from . import backends
 from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
 from .checkpoint import load_shards
 from .errors import (BackendError, CheckpointError, InputError, MissingWeights, NotFound, PartitionError,
-                     VerificationError)
+                     TraceError, VerificationError)
 from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PLAN, TO_RANK, run_passes
 from .plans import Plan
 from .report import Report, build_report
-from .runtime import CompiledPartition, place_graph_on
-from .trace import Traced, copy_graph_module, trace
+from .padding import pad_named, parse_buckets
+from .runtime import input_names, place_graph_on
+from .trace import Traced, bind_forward, copy_graph_module, trace
 from .weights import shard_state
 
 
@@ -67,7 +69,8 @@ class Partitioned:
     def specialize(self, example_inputs) -> "Partitioned":
         """This partition for other input shapes: the skeleton traced on ``example_inputs`` and this partition's
         plan applied (its sequence seeds re-derived if the new trace names values differently), sharing this rank's
-        weights, its process groups and its guard. Every rank must call it with inputs of the same shapes."""
+        weights, its process groups and its guard. Every rank must call it with inputs of the same shapes (inputs
+        with ``buckets`` padded to a bucket already)."""
         if self.skeleton is None:
             raise InputError(f"{self.model_name}: this partition serves only the traced shapes (it was not made by "
                              "partition() from a module); partition again for other shapes")
@@ -76,11 +79,12 @@ class Partitioned:
         def build() -> Partitioned:
             traced = trace(self.skeleton, example_inputs)
             try:
-                new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds)
+                new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
+                                       buckets=self.ctx.buckets)
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
                 traced = trace(self.skeleton, example_inputs)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
-                                       plan=dataclasses.replace(plan, sequence_seeds=None))
+                                       buckets=self.ctx.buckets, plan=dataclasses.replace(plan, sequence_seeds=None))
                 new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
             if new.slice_specs != self.slice_specs:
                 raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
@@ -249,7 +253,8 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | Plan | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
-              backend_checks: str | dict | None = None, timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
+              backend_checks: str | dict | None = None, buckets: dict | None = None,
+              timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ulysses"}, or axis sizes such as ``{"tp": 8}`` to plan
@@ -257,7 +262,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``, or a whole ``Plan`` (from
     ``partitioner.plan``, possibly edited) applied as it is. ``dump_dir`` (or
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
-    for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``).
+    for code that has no ``torch._check``, keyed by the op's node name (e.g. ``{"_unique2": 4}``). ``buckets``:
+    input dims padded with zeros to the next of a few sizes, so that one partition serves every size up to them,
+    e.g. ``{"timestep": [2, 4]}`` (dim 0; ``{("name", dim): sizes}`` for another dim). The trace is padded to the
+    bucket of the example's size; each other bucket is a shape specialisation of ``compile()``'s module. A dim is
+    bucketed only where the padding is provably never read (a table indexed by per-row indices, as a timestep
+    table is); otherwise a ``PartitionError`` names the op that would read it.
     ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
     ``NeuronLegalityError`` lists every problem with its fix); ``{"neuron": {"pad_sequence": True}}`` checks it as
     ``compile(backend="neuron", pad_sequence=True)`` will build it.
@@ -268,22 +278,42 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     """
     spec, groups = mesh_with_groups(mesh, rank, timeout)
 
+    buckets = parse_buckets(buckets)
+
     def build() -> Partitioned:
-        traced = trace(model, example_inputs)
+        try:
+            traced = trace(model, _padded_to_buckets(model, example_inputs, buckets))
+        except TraceError as error:
+            if not buckets:
+                raise
+            padded = ", ".join(f"{name} dim {dim} to {list(sizes)}" for (name, dim), sizes in buckets.items())
+            raise TraceError(f"{error}\n(the example inputs were padded to buckets: {padded}; the model may not "
+                             "take a padded size there)") from error
         _compute_meta_buffers(model, traced)
         partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
-                                       bounds=bounds)
+                                       bounds=bounds, buckets=buckets)
         if backend_checks is not None:
             _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
         return partitioned
 
-    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks)
+    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets)
     partitioned = build_agreed(build, spec, groups, options)
     partitioned.source = weakref.ref(model)
     partitioned.skeleton = _skeleton(model)
     partitioned.model_config = getattr(model, "config", None)
     partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return partitioned
+
+
+def _padded_to_buckets(model: torch.nn.Module, example_inputs, buckets) -> tuple:
+    """The example inputs with every bucketed dim padded to its bucket, as ``((), {name: value})``."""
+    if not buckets or not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+                           and isinstance(example_inputs[1], dict)):
+        return example_inputs  # (trace says what is wrong with malformed ones)
+    args, kwargs = example_inputs
+    owner = type(model).__name__
+    named = bind_forward(inspect.signature(model.forward), tuple(args), kwargs, owner, InputError)
+    return (), pad_named(named, buckets, owner)
 
 
 def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
@@ -353,10 +383,12 @@ def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-                     dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None) -> Partitioned:
+                     dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None,
+                     buckets: dict | None = None) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
     ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
-    ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds))
+    ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
+                      buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec))
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
         overrides = plan.linear_overrides()

@@ -20,6 +20,8 @@ class PassContext:
     given_sequence_seeds: dict[str, int] | None = None  # a Plan's sequence seeds, applied as they are
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
+    buckets: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # (input, dim) -> sizes (user)
+    input_names: list[str] = field(default_factory=list)  # the flattened forward arguments' names
     # Filled by the passes:
     linear_styles: dict[str, str] = field(default_factory=dict)  # module path -> colwise / rowwise / replicate
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
@@ -29,6 +31,8 @@ class PassContext:
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
     sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
     sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
+    padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
+    #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it took (the runner)
     specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why

@@ -4,11 +4,12 @@
 where the model takes it; ``inspect.signature(module.forward)`` shows it, as pipelines read it), and ``config``,
 ``dtype`` and ``device`` are the model's.
 
-A call whose tensor shapes differ from the traced ones (another resolution or text length, another number of
-distinct timesteps) is served by a shape specialisation (``Partitioned.specialize``): the model's skeleton (on the
-meta device) is traced again for the new shapes and the partition's own plan is applied to it, with this rank's
-weights shared. Every rank builds it on the same call, and the ranks compare the new plan as ``partition`` does. At
-most ``max_specializations`` are kept besides the traced shapes, the least recently used dropped first;
+A call whose tensor shapes differ from the traced ones (another resolution or text length, more distinct timesteps
+than the traced bucket holds) is served by a shape specialisation (``Partitioned.specialize``): the model's skeleton
+(on the meta device) is traced again for the new shapes and the partition's own plan is applied to it, with this
+rank's weights shared. Every rank builds it on the same call, and the ranks compare the new plan as ``partition``
+does. Dims with ``buckets`` are padded to their next bucket first, so one program serves a whole bucket. At most
+``max_specializations`` are kept besides the traced shapes, the least recently used dropped first;
 ``specializations`` (and ``Partitioned.report()``) say which were built and why.
 """
 
@@ -21,8 +22,9 @@ import torch.utils._pytree as pytree
 
 from .errors import InputError, TraceError
 from .agreement import call_signature
+from .padding import pad_named
 from .runtime import CompiledPartition, call_arguments, describe_call
-from .trace import bind_forward
+from .trace import argument_name, bind_forward
 
 
 class PartitionedModule(torch.nn.Module):
@@ -73,34 +75,38 @@ class PartitionedModule(torch.nn.Module):
         return self._first.device
 
     def _call(self, *args, **kwargs):
-        named = bind_forward(self._first.traced.signature, args, kwargs, self._partitioned.model_name, InputError)
-        key = _shape_signature(named)
+        owner = self._partitioned.model_name
+        named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
+        bucketed = pad_named(named, self._partitioned.ctx.buckets, owner)  # the shapes of the program it runs on
+        key = _shape_signature(bucketed)
         compiled = self._cache.get(key)
         if compiled is None:
-            if self._first.accepts(args, kwargs):
+            if self._first.accepts((), bucketed):
                 compiled = self._first
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
-                traced_named, _ = call_arguments(self._first.traced.signature, args, kwargs, self._partitioned.model_name)
+                traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
                 self._partitioned.guard.agree(None, call_signature(pytree.tree_leaves(((), traced_named))),
-                                              lambda: describe_call(named))
-                compiled = self._specialize(args, kwargs, named)
+                                              lambda: describe_call(bucketed))
+                compiled = self._specialize(bucketed)
             self._cache[key] = compiled
             self._evict()
         self._cache.move_to_end(key)
         return compiled(*args, **kwargs)
 
-    def _specialize(self, args, kwargs, named: dict) -> CompiledPartition:
+    def _specialize(self, named: dict) -> CompiledPartition:
         traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
         shapes = ", ".join(f"{name}{list(t.shape)}" for name, t in _tensors(named) if traced.get(name) != list(t.shape))
         try:
-            specialized = self._partitioned.specialize((args, kwargs))
+            specialized = self._partitioned.specialize(((), named))
         except TraceError as error:  # the model itself cannot run these inputs
             why = str(error).splitlines()[0]
             raise InputError(f"{self._partitioned.model_name}: a call with {shapes or 'other arguments'} (traced: "
                              + ", ".join(f"{name}{shape}" for name, shape in traced.items() if name in shapes)
                              + f") differs from the traced one and the model cannot be traced for it: {why}") from error
         lowered, tensors = specialized.lower(self._backend, **self._options)
+        padded = [f"{name} dim {dim} to {sizes}" for (name, dim), sizes in self._partitioned.ctx.buckets.items()]
         self.specializations[shapes] = ("shapes other than the traced ones: the plan applied to a new trace"
+                                        + (f"; padded to buckets: {', '.join(padded)}" if padded else "")
                                         + (f" ({specialized.ctx.replanned})" if specialized.ctx.replanned else ""))
         self._partitioned.ctx.specializations = dict(self.specializations)
         return CompiledPartition(lowered, specialized, self._backend, tensors=tensors)
@@ -114,7 +120,7 @@ class PartitionedModule(torch.nn.Module):
 
 def _tensors(named: dict) -> list[tuple[str, torch.Tensor]]:
     leaves = pytree.tree_flatten_with_path(named)[0]
-    return [(pytree.keystr(path).removeprefix("['").removesuffix("']"), leaf) for path, leaf in leaves
+    return [(argument_name(path), leaf) for path, leaf in leaves
             if isinstance(leaf, torch.Tensor)]
 
 

@@ -39,6 +39,9 @@ class IndexCheck:
     allow_negative: bool
     where: str  # the indexing node, its dim and the model line, for the message
     inputs: tuple[str, ...]  # the call inputs the index derives from
+    # the indexed dim carries an input padded to a bucket: (flat argument index, its dim, padded size); only the
+    # real rows, ``size * real // padded`` of them, may be picked
+    padded: tuple[int, int, int] | None = None
 
 
 def _is_integer(node: Node) -> bool:
@@ -47,7 +50,7 @@ def _is_integer(node: Node) -> bool:
         and val.dtype is not torch.bool
 
 
-def _index_operands(node: Node) -> list[tuple[Node, int, bool, str]]:
+def index_operands(node: Node) -> list[tuple[Node, int, bool, str]]:
     """(index node, size of the dim it indexes, negative allowed, dim description) for each index ``node`` reads."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node) \
             or not isinstance(node.args[0].meta.get("val"), torch.Tensor):
@@ -70,22 +73,18 @@ def _index_operands(node: Node) -> list[tuple[Node, int, bool, str]]:
 class Preflight:
     """``check(flat_args, host_transfers)`` raises ``InputError`` for the first index out of range."""
 
-    def __init__(self, planned: GraphModule, inputs: list[GraphInput], input_names: list[str]):
+    def __init__(self, planned: GraphModule, inputs: list[GraphInput], input_names: list[str],
+                 padding_reads: dict[str, tuple[int, int, int]] | None = None):
         placeholders = dict(zip([n for n in planned.graph.nodes if n.op == "placeholder"], inputs))
-        computable: dict[Node, tuple[str, ...]] = {}  # node -> the call inputs it derives from
-        for node, graph_input in placeholders.items():
-            if graph_input.kind in ("user", "host") and _is_integer(node):
-                name = input_names[graph_input.target] if graph_input.kind == "user" else f"host {node.name}"
-                computable[node] = (name,)
+        computable = computable_from_call(planned, inputs, input_names)
+        padding_reads = padding_reads or {}
+        checked: list[tuple[Node, int, bool, str, tuple | None]] = []
         for node in planned.graph.nodes:
-            if node.op == "call_function" and _is_integer(node) and all(n in computable for n in node.all_input_nodes):
-                computable[node] = tuple(sorted(set().union(*(computable[n] for n in node.all_input_nodes)))) \
-                    if node.all_input_nodes else ()
-        checked: list[tuple[Node, int, bool, str]] = []
-        for node in planned.graph.nodes:
-            for index, size, negative, dim in _index_operands(node):
+            for index, size, negative, dim in index_operands(node):
                 if index in computable and computable[index]:
-                    checked.append((index, size, negative, f"{node.name} ({dim} of size {size}; {source_line(node)})"))
+                    padded = padding_reads.get(node.name)  # (input, dim, padded size): the limit is the real rows
+                    checked.append((index, size, negative and padded is None,
+                                    f"{node.name} ({dim} of size {size}; {source_line(node)})", padded))
         self.checks: list[IndexCheck] = []
         self.program = None
         if not checked:
@@ -104,13 +103,15 @@ class Preflight:
                 if isinstance(env[node].kwargs.get("device"), torch.device):
                     env[node].update_kwarg("device", torch.device("cpu"))
         outputs = []
-        for position, (index, size, negative, where) in enumerate(checked):
+        for position, (index, size, negative, where, padded) in enumerate(checked):
             outputs.append(env[index])
-            self.checks.append(IndexCheck(position, size, negative, where, computable[index]))
+            self.checks.append(IndexCheck(position, size, negative, where, computable[index], padded))
         graph.output(outputs)
         self.program = GraphModule(torch.nn.Module(), graph)
 
-    def check(self, flat: list, hosted: list[torch.Tensor]) -> None:
+    def check(self, flat: list, hosted: list[torch.Tensor], real_sizes: dict[int, dict[int, int]] | None = None
+              ) -> None:
+        """``real_sizes``: flat argument index -> {dim: size before padding to its bucket}."""
         if self.program is None:
             return
         values = [flat[gi.target] if gi.kind == "user" else hosted[gi.target] for gi in self.placeholders]
@@ -119,13 +120,33 @@ class Preflight:
             if index.numel() == 0:
                 continue
             low, high = (-check.size if check.allow_negative else 0), check.size
+            if check.padded is not None:
+                argument, dim, padded = check.padded
+                high = check.size // padded * (real_sizes or {}).get(argument, {}).get(dim, padded)
             bad = (index < low) | (index >= high)
             if bool(bad.any()):
                 position = tuple(int(p) for p in bad.nonzero()[0])
+                padding = " (the rest is padding to a bucket)" if high < check.size else ""
                 raise InputError(
                     f"index out of range: {index[position].item()} at position {list(position)} of a value computed "
-                    f"from {', '.join(check.inputs)} indexes {check.where}; valid indices are in [{low}, {high}): "
-                    "fix the input")
+                    f"from {', '.join(check.inputs)} indexes {check.where}; valid indices are in [{low}, {high})"
+                    f"{padding}: fix the input")
+
+
+def computable_from_call(graph: GraphModule, inputs: list[GraphInput], input_names: list[str]
+                         ) -> dict[Node, tuple[str, ...]]:
+    """The integer values computed from the call's inputs alone (user arguments, host transfers) -> the inputs
+    each derives from."""
+    computable: dict[Node, tuple[str, ...]] = {}
+    for node, graph_input in zip([n for n in graph.graph.nodes if n.op == "placeholder"], inputs):
+        if graph_input.kind in ("user", "host") and _is_integer(node):
+            computable[node] = (input_names[graph_input.target] if graph_input.kind == "user"
+                                else f"host {node.name}",)
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and _is_integer(node) and all(n in computable for n in node.all_input_nodes):
+            computable[node] = tuple(sorted(set().union(*(computable[n] for n in node.all_input_nodes)))) \
+                if node.all_input_nodes else ()
+    return computable
 
 
 def _ancestors(nodes: list[Node], computable: dict) -> set[Node]:

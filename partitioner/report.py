@@ -32,6 +32,7 @@ class Report:
     linear_styles: dict[str, str] = field(default_factory=dict)
     hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs in the host prologue
     specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why
+    buckets: dict[str, str] = field(default_factory=dict)  # "input dim d" -> its buckets and the ops reading it
 
     @property
     def total_parameter_bytes(self) -> int:
@@ -61,6 +62,8 @@ class Report:
                          + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
         styles = Counter(self.linear_styles.values())
         lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
+        for padded, how in self.buckets.items():
+            lines.append(f"  bucketed: {padded} {how}")
         if self.specializations:
             lines.append(f"  shape specialisations built: {len(self.specializations)}")
             lines += [f"    {shapes}: {why}" for shapes, why in self.specializations.items()]
@@ -148,4 +151,16 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
                   activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {},
-                  dict(ctx.specializations))
+                  dict(ctx.specializations), _buckets(ctx))
+
+
+def _buckets(ctx: PassContext) -> dict[str, str]:
+    """Each bucketed input dim: its buckets and the ops that pick rows from it (proven the only readers)."""
+    described = {}
+    for (name, dim), sizes in ctx.buckets.items():
+        readers = [node for node, (index, padded_dim, _) in ctx.padding_reads.items()
+                   if ctx.input_names[index] == name and padded_dim == dim]
+        described[f"{name} dim {dim}"] = (f"padded to {list(sizes)}; the padding is read only by indexing "
+                                          f"({len(readers)} ops, indices checked per call)" if readers
+                                          else f"padded to {list(sizes)}; not read by the device graph")
+    return described

@@ -10,7 +10,8 @@ import torch.utils._pytree as pytree
 
 from .agreement import call_signature
 from .errors import InputError
-from .trace import Traced, bind_forward
+from .padding import pad_dim
+from .trace import argument_name, bind_forward
 
 
 
@@ -54,18 +55,27 @@ class CompiledPartition:
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
         names = input_names(traced.in_spec)
         self.user_names = [names[i] for i in self.user_index]
-        self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, names)
+        # flat argument index -> {dim: padded size}: dims served up to their bucket, padded with zeros per call
+        self.padded = {}
+        for name, dim in partitioned.ctx.buckets:
+            if name in self.user_names:
+                position = self.user_names.index(name)
+                shape = self.user_vals[position].shape
+                self.padded.setdefault(self.user_index[position], {})[dim] = shape[dim]
+        self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, names,
+                                   partitioned.ctx.padding_reads)
 
     @property
     def state(self) -> list[torch.Tensor]:
         return self.tensors()
 
-    def flatten(self, args, kwargs) -> tuple[list, list, bool | None]:
-        """All flattened forward arguments, those the device graph takes, and the call's return_dict."""
+    def flatten(self, args, kwargs) -> tuple[list, list, bool | None, dict]:
+        """All flattened forward arguments, those the device graph takes, the call's return_dict, and the real
+        sizes of the dims padded to their bucket (flat argument index -> {dim: size})."""
         named, return_dict = call_arguments(self.traced.signature, args, kwargs, self.owner)
         leaves, spec = pytree.tree_flatten_with_path(((), named))
         flat = [leaf for _, leaf in leaves]
-        names = [pytree.keystr(path[1:]) for path, _ in leaves]
+        names = [argument_name(path[1:]) for path, _ in leaves]
         if spec != self.traced.in_spec:
             self._raise_structure_mismatch(named)
         for index, value in self.traced.constant_args.items():
@@ -73,6 +83,7 @@ class CompiledPartition:
             if type(given) is not type(value) or given != value:
                 raise InputError(f"{self.owner}: argument {names[index]}={given!r} differs from the traced "
                                  f"{value!r}; partition again with it in example_inputs")
+        real_sizes = {}
         for index, expected in zip(self.user_index, self.user_vals):
             value = flat[index]
             if not isinstance(expected, torch.Tensor):
@@ -80,13 +91,17 @@ class CompiledPartition:
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"{self.owner}: {names[index]} must be a tensor (traced with one of shape "
                                  f"{list(expected.shape)}), got {type(value).__name__}")
+            for dim, size in self.padded.get(index, {}).items():
+                if value.dim() == expected.dim() and value.shape[dim] <= size:  # served: padded to the bucket
+                    real_sizes.setdefault(index, {})[dim] = value.shape[dim]
+                    value = flat[index] = pad_dim(value, dim, size)
             if tuple(value.shape) != tuple(expected.shape) or value.dtype != expected.dtype:
                 raise InputError(f"{self.owner}: {names[index]} is {_tensor(value)}, traced with {_tensor(expected)}; "
                                  "this partition is static-shaped, partition again")
             if self.has_state and value.device != self.device:
                 raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on "
                                  f"{self.device}")
-        return flat, [flat[i] for i in self.user_index], return_dict
+        return flat, [flat[i] for i in self.user_index], return_dict, real_sizes
 
     def accepts(self, args, kwargs) -> bool:
         """Whether this program takes the call as it is (its shapes, dtypes, structure and constants)."""
@@ -126,9 +141,9 @@ class CompiledPartition:
         self.guard.check_usable()
         problem, signature = None, 0
         try:  # every check of this call, before its first collective
-            flat, user, return_dict = self.flatten(args, kwargs)
+            flat, user, return_dict, real_sizes = self.flatten(args, kwargs)
             hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
-            self.preflight.check(flat, hosted)
+            self.preflight.check(flat, hosted, real_sizes)
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
                 self.lowered.check_inputs(*self.tensors(), *user, *hosted)
             signature = call_signature(flat)
@@ -162,14 +177,14 @@ def describe_call(named: dict) -> str:
     described = []
     for path, leaf in pytree.tree_flatten_with_path(named)[0]:
         if isinstance(leaf, torch.Tensor):
-            described.append(pytree.keystr(path).removeprefix("['").removesuffix("']") + str(list(leaf.shape)))
+            described.append(argument_name(path) + str(list(leaf.shape)))
     return ", ".join(described)
 
 
 def input_names(in_spec: pytree.TreeSpec) -> list[str]:
     """The flattened forward arguments' names (``hidden_states``, ``image_rotary_emb[0]``), in flattening order."""
     leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * in_spec.num_leaves, in_spec))[0]
-    return [pytree.keystr(path[1:]).removeprefix("['").removesuffix("']") or "argument" for path, _ in leaves]
+    return [argument_name(path[1:]) for path, _ in leaves]
 
 
 def _describe(value) -> str:

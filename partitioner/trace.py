@@ -50,6 +50,14 @@ class Traced:
     size_bounds: dict[str, int] = field(default_factory=dict)
 
 
+def argument_name(path: tuple) -> str:
+    """A flattened forward argument's name from its pytree path: ``timestep``, ``image_rotary_emb[0]``."""
+    if not path:
+        return "argument"
+    first, rest = path[0], path[1:]
+    return str(getattr(first, "key", getattr(first, "idx", first))) + pytree.keystr(rest)
+
+
 def bind_forward(signature: inspect.Signature, args, kwargs, owner: str, error=None) -> dict[str, Any]:
     """All forward arguments by name, defaults applied, in signature order; ``error`` (default TraceError) with a
     clear message when they do not fit."""

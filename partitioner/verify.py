@@ -104,7 +104,7 @@ def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, at
 
     mesh = partitioned.mesh
     runner = CompiledPartition(partitioned.graph_module, partitioned, "eager-verify")
-    flat, user, _ = runner.flatten(args, kwargs)
+    flat, user, *_ = runner.flatten(args, kwargs)
     hosted, _ = runner.run_host(flat) if runner.host is not None else ([], {})
     with torch.no_grad():
         expected_out = model(*args, **kwargs)

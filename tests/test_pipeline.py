@@ -1,8 +1,9 @@
 """The compiled partition as a drop-in transformer: diffusers' own H3 denoising block drives it step after step.
 
 The row timestep plan of each step comes from diffusers' `build_row_timesteps` (1 to 4 distinct timesteps), so the
-`timestep` input changes size between steps; the partition is made once, from step 0's inputs, and serves the
-other sizes with shape specialisations. Tolerance as in test_tp_numerics: float32, reordered sums, 1e-5.
+`timestep` input changes size between steps; the partition is made once, from step 0's inputs, with the timestep
+table bucketed ([2, 4] rows: padding proven unread), and serves the other sizes from the traced program (1 or 2
+rows) and one shape specialisation (3 or 4 rows). Tolerance as in test_tp_numerics: float32, reordered sums, 1e-5.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _denoise_steps(rank, world, shape, names):
                                                           inputs["text_indices"].numel(), *step) for step in STEPS]
     layout = {name: inputs[name] for name in LAYOUT}
     step0 = dict(inputs, timestep=plan[0][0], timestep_indices=plan[0][1])
-    transformer = partition(model, _mesh(shape, names), ((), step0)).compile()
+    transformer = partition(model, _mesh(shape, names), ((), step0), buckets={"timestep": [2, 4]}).compile()
     denoiser = MiniMaxH3LoopDenoiser()
 
     def state():
@@ -65,10 +66,57 @@ def _denoise_steps(rank, world, shape, names):
 def test_diffusers_denoiser_drives_the_partition_over_steps_and_requests(shape, names):
     for errors, specializations, report in run_ranks(2 if len(shape) == 1 else 4, _denoise_steps, shape, names):
         assert max(errors) <= TOLERANCE, errors
-        assert len(specializations) == 4  # timestep tables of 2, 3, 4 rows; the second request
-        assert any("timestep[3]" in shapes and "encoder_hidden_states[1, 7, 32]" in shapes
+        assert len(specializations) == 2, specializations  # the 4-row bucket; the second request
+        assert any("timestep[4]" in shapes and "encoder_hidden_states[1, 7, 32]" in shapes
                    for shapes in specializations)
-        assert "shape specialisations built: 4" in report
+        assert "shape specialisations built: 2" in report
+
+
+def _bucketed_timesteps(rank, world):
+    """One partition traced with a 2-row timestep table serves 1 and 2 rows by padding; an index into the padding,
+    a table beyond every bucket, and an unbucketed change of length are InputErrors on every rank."""
+    from partitioner.errors import InputError
+
+    model = tiny_h3()
+    transformer = partition(model, _mesh((world,), ("tp",)), ((), h3_inputs(TINY_H3, timesteps=1)),
+                            buckets={"timestep": 2}).compile()
+    errors, refusals = [], []
+    for timesteps in (1, 2, 1):
+        inputs = h3_inputs(TINY_H3, timesteps=timesteps, seed=timesteps)
+        with torch.no_grad():
+            expected = model(**inputs).sample
+        errors.append((transformer(**inputs).sample - expected).abs().max().item())
+    one_row = h3_inputs(TINY_H3, timesteps=1)
+    for bad in (dict(one_row, timestep_indices=torch.ones_like(one_row["timestep_indices"])),  # row 1 is padding
+                dict(one_row, timestep=torch.rand(3))):  # beyond the only bucket
+        try:
+            transformer(**bad)
+        except InputError as error:
+            refusals.append(str(error))
+    return errors, refusals, transformer.specializations, transformer.partitioned.ctx.padding_reads
+
+
+def test_a_bucketed_timestep_table_is_padded_exactly_and_padding_is_never_read():
+    for errors, refusals, specializations, padding_reads in run_ranks(2, _bucketed_timesteps):
+        assert max(errors) <= TOLERANCE and not specializations
+        assert padding_reads and all(read[1:] == (0, 2) for read in padding_reads.values())
+        assert len(refusals) == 2, refusals
+        assert "valid indices are in [0, 3) (the rest is padding to a bucket)" in refusals[0]  # 3 rows per step
+        assert "timestep has 3 entries along dim 0, more than every bucket it is served at ([2])" in refusals[1]
+
+
+class _PaddedAttention(torch.nn.Module):
+    def forward(self, x, table, rows):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x), table[rows]
+
+
+def test_buckets_on_a_dim_whose_padding_would_be_read_are_refused():
+    from partitioner.errors import PartitionError
+
+    x, table, rows = torch.randn(1, 2, 8, 4), torch.randn(3), torch.zeros(8, dtype=torch.long)
+    partition(_PaddedAttention(), {"tp": 1}, ((x, table, rows), {}), buckets={"table": 4})  # indexed rows: fine
+    with pytest.raises(PartitionError, match=r"x is padded along dim 2 to its bucket \(\[16\]\).*attention"):
+        partition(_PaddedAttention(), {"tp": 1}, ((x, table, rows), {}), buckets={("x", 2): 16})
 
 
 def _parallelized(rank, world):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import annotate_heads, hoist_host, insert_collectives, localize, plan_sequence, plan_sharding
+from . import annotate_heads, hoist_host, insert_collectives, localize, pad_inputs, plan_sequence, plan_sharding
 from .runner import run_passes
 
 
@@ -31,6 +31,8 @@ class Pass:
 PLAN = (
     Pass("hoist_host", hoist_host.run, hoist_host.check, (),
          "no value of the device graph has a data-dependent size; data-dependent ops run in a CPU prologue"),
+    Pass("pad_inputs", pad_inputs.run, pad_inputs.check, ("hoist_host",),
+         "input dims padded to a bucket are read only row by row and by indices checked against the real rows"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
          "attentions and their projections carry meta['heads']; head splits infer the head count from head_dim"),
     Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("annotate_heads",),

@@ -26,8 +26,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import PassContext
 from ..errors import InvariantError
-from ..placement import PackedShard, Replicate, Shard, any_sharded
-from ..rules import PartitionError, Unshardable, rule_for
+from ..padding import follow_padding
+from ..rules import PartitionError
 from ..trace import GraphInput
 
 # Trace-time checks on sizes: true by construction once shapes are static and bounded.
@@ -123,40 +123,6 @@ def _bound(expression, traced_bounds: dict[str, int], user_bounds: dict[str, int
 
 def name_hint(source: Node) -> str:
     return "n" if source.target is not torch.ops.aten._unique2.default else "values.shape[0]"
-
-
-def _check_padding_is_inert(gm: GraphModule, padded: dict[Node, int], trims: set[tuple[int, int]]) -> None:
-    """Padding rows must never change a result. A padded dim is followed like a sequence shard, with the same
-    rules (ops that treat rows one by one carry it; views keep it outermost); it may end only where rows are picked
-    by index (``index_select`` along it: valid indices never point at padding, which sits at the end). Anything else
-    that reaches it (a reduction over it, a matmul contracting it, attention, a concatenation along it, the graph
-    output, unless that output is trimmed back to its data-dependent size) would mix padding into results: refused,
-    naming the op."""
-    placements = {node: Shard(dim) for node, dim in padded.items()}
-    for node in gm.graph.nodes:
-        reads = [n for n in node.all_input_nodes if any_sharded(placements.get(n, Replicate()))]
-        if node.op == "placeholder" or not reads:
-            continue
-        if node.op == "output" and all((node.args[0].index(n), placements[n].dim) in trims for n in reads):
-            continue
-        source = node.args[0] if node.args else None
-        if node.target is torch.ops.aten.index_select.default and source in reads and reads == [source] and \
-                node.args[1] % len(source.meta["val"].shape) == placements[source].dim:
-            continue
-        problem = None
-        try:
-            decision = rule_for(node, sequence_axis="padding")(node, placements, 1)
-        except Unshardable as error:
-            problem = str(error)
-        else:
-            if node.target is torch.ops.aten.scaled_dot_product_attention.default or isinstance(
-                    decision.output, PackedShard):
-                problem = "attention or concatenation along the padded dim"
-            placements[node] = decision.output
-        if problem:
-            raise PartitionError(f"{reads[0].name} is padded to a static bound, and {node.name} ({node.target}) "
-                                 f"would mix the padding into its result ({problem}); only row-wise ops and "
-                                 "index_select along the padded dim may read a padded value")
 
 
 def _placeholders(gm: GraphModule) -> list[Node]:
@@ -280,7 +246,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _propagate_static_shapes(gm, ctx, transfers)
     padded = {node: next(iter(transfers[gi.target].sizes)) for node, gi in zip(_placeholders(gm), ctx.inputs)
               if gi.kind == "host" and transfers[gi.target].sizes}
-    _check_padding_is_inert(gm, padded, {(index, dim) for index, dim, _ in trims})
+    follow_padding(gm, padded, {(index, dim) for index, dim, _ in trims})
     return gm
 
 

@@ -1,0 +1,488 @@
+"""A zoo of diffusers transformers for tests: tiny random-weight configs that run in a second on a CPU, the
+production-size configs for tracing on the meta device, and inputs built the way each model's diffusers pipeline
+builds them.
+
+Tiny configs share one shape budget so that every model exercises the same sharding cases: at most 2 layers of each
+block type, 4+ heads of 8-16 dims (2-way tensor and sequence parallel both split heads), about 16 image/video tokens
+and 6-8 text tokens, batch 1. ``notes`` records what was observed with diffusers 0.42.1 and torch 2.13 (CPU): eager
+run, ``torch.export.export(..., strict=False)``, and the full config's parameter count. ``python -m
+partitioner.testing.zoo`` re-checks all of it.
+
+Each ``make_inputs(config, seed=0, **sizes)`` accepts only the sizes its docstring names (an unknown size is a
+``TypeError``): ``text`` text rows; ``pad`` how many of them are padding (trailing, as the pipelines' right-padding
+tokenizers leave them); ``height``/``width``/``frames`` in latent units, before patching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3, cogvideox_rotary, h3_inputs
+
+__all__ = ["ZOO", "ZooModel", "build", "inputs"]
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str  # e.g. "flux"
+    cls: str  # diffusers class name, e.g. "FluxTransformer2DModel"
+    tiny: dict  # config kwargs of a tiny model
+    full: dict | None  # config kwargs of the production-size model (for meta-device tracing), None if unknown
+    make_inputs: Callable  # (config, seed=0, **sizes) -> (args, kwargs) of CPU tensors
+    notes: str = ""
+
+
+# --- shared pieces -------------------------------------------------------------------------------------------------
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g)
+
+
+def _timestep(g: torch.Generator, scale: float = 1000.0) -> torch.Tensor:
+    """One float timestep in [0, scale): flow-matching pipelines pass ``t`` (0..1000) or ``t / 1000``."""
+    return torch.rand(1, generator=g) * scale
+
+
+def _text_mask(text: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tokenizer's (1, text) attention mask with the last ``pad`` rows padding, in the dtype the pipeline keeps."""
+    if not 0 <= pad < text:
+        raise ValueError(f"pad={pad} must leave at least one of text={text} rows")
+    mask = torch.ones(1, text, dtype=dtype)
+    mask[:, text - pad:] = 0
+    return mask
+
+
+def _flux_ids(height: int, width: int) -> torch.Tensor:
+    """FluxPipeline._prepare_latent_image_ids: (h*w, 3) float rows (0, row, col)."""
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] += torch.arange(height)[:, None]
+    ids[..., 2] += torch.arange(width)[None, :]
+    return ids.reshape(height * width, 3)
+
+
+# --- one input builder per model ------------------------------------------------------------------------------------
+
+def flux_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """FluxPipeline: latents packed 2x2 into (1, h/2*w/2, in_channels), zero txt_ids, t/1000, guidance 3.5."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 2, width // 2
+    kwargs = dict(hidden_states=_randn(g, 1, h * w, config["in_channels"]),
+                  encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                  pooled_projections=_randn(g, 1, config["pooled_projection_dim"]),
+                  timestep=_timestep(g, 1.0), img_ids=_flux_ids(h, w), txt_ids=torch.zeros(text, 3))
+    if config.get("guidance_embeds"):
+        kwargs["guidance"] = torch.full([1], 3.5)
+    return (), kwargs
+
+
+def flux2_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """Flux2Pipeline: packed latents, int64 (t, h, w, l) position ids with a batch dim, t/1000, guidance 4.0."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 2, width // 2
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+    kwargs = dict(hidden_states=_randn(g, 1, h * w, config["in_channels"]),
+                  encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                  timestep=_timestep(g, 1.0), img_ids=img_ids[None], txt_ids=txt_ids[None])
+    if config.get("guidance_embeds", True):
+        kwargs["guidance"] = torch.full([1], 4.0)
+    return (), kwargs
+
+
+def sd3_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """StableDiffusion3Pipeline: latent image (1, C, h, w), CLIP+T5 rows, pooled CLIP, t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                    pooled_projections=_randn(g, 1, config["pooled_projection_dim"]), timestep=_timestep(g))
+
+
+def auraflow_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """AuraFlowPipeline: latent image, T5 rows (no mask), t/1000."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                    timestep=_timestep(g, 1.0))
+
+
+def pixart_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 8, width: int = 8):
+    """PixArtSigmaPipeline: latent image, T5 rows with their int64 mask, an int64 timestep, and
+    added_cond_kwargs={"resolution": None, "aspect_ratio": None} (Sigma uses no micro-conditions)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["caption_channels"]),
+                    encoder_attention_mask=_text_mask(text, pad, torch.int64),
+                    timestep=torch.randint(0, 1000, (1,), generator=g),
+                    added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+
+
+def sana_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 4, width: int = 4):
+    """SanaPipeline: latent image (patch 1), Gemma rows with their int64 mask, t * timestep_scale."""
+    g = torch.Generator().manual_seed(seed)
+    kwargs = dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                  encoder_hidden_states=_randn(g, 1, text, config["caption_channels"]),
+                  encoder_attention_mask=_text_mask(text, pad, torch.int64),
+                  timestep=_timestep(g) * config.get("timestep_scale", 1.0))
+    if config.get("guidance_embeds"):
+        kwargs["guidance"] = torch.full([1], 4.5)
+    return (), kwargs
+
+
+def lumina2_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 8, width: int = 8):
+    """Lumina2Pipeline: latent image, Gemma rows with their int64 mask, timestep 1 - t/1000 in [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                    timestep=_timestep(g, 1.0),
+                    encoder_hidden_states=_randn(g, 1, text, config["cap_feat_dim"]),
+                    encoder_attention_mask=_text_mask(text, pad, torch.int64))
+
+
+def hidream_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """HiDreamImagePipeline: latent image, T5 rows, every Llama-3 hidden layer stacked (layers, 1, text, dim) for the
+    model to pick with ``llama_layers``, pooled CLIP-L+G, t in [0, 1000). A square latent needs no padding mask."""
+    g = torch.Generator().manual_seed(seed)
+    t5_dim, llama_dim = config["caption_channels"]
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width), timesteps=_timestep(g),
+                    encoder_hidden_states_t5=_randn(g, 1, text, t5_dim),
+                    encoder_hidden_states_llama3=_randn(g, max(config["llama_layers"]) + 1, 1, text, llama_dim),
+                    pooled_embeds=_randn(g, 1, config["text_emb_dim"]))
+
+
+def hunyuan_video_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2,
+                         height: int = 4, width: int = 8):
+    """HunyuanVideoPipeline: latent video (1, C, f, h, w), Llama rows with a float mask, pooled CLIP, t in
+    [0, 1000), guidance 6.0 * 1000."""
+    g = torch.Generator().manual_seed(seed)
+    kwargs = dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                  encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]),
+                  encoder_attention_mask=_text_mask(text, pad, torch.float32),
+                  pooled_projections=_randn(g, 1, config["pooled_projection_dim"]))
+    if config.get("guidance_embeds", True):
+        kwargs["guidance"] = torch.tensor([6.0 * 1000.0])
+    return (), kwargs
+
+
+def wan_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2, height: int = 4,
+               width: int = 8):
+    """WanPipeline: latent video, T5 rows with the padding rows zeroed (Wan passes no mask), t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = _randn(g, 1, text, config["text_dim"]) * _text_mask(text, pad, torch.float32)[..., None]
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                    encoder_hidden_states=prompt)
+
+
+def ltx_video_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2, height: int = 2,
+                     width: int = 4):
+    """LTXPipeline: latents packed to (1, f*h*w, C) with the latent sizes passed as ints, T5 rows with a bool mask,
+    rope_interpolation_scale (8/25 fps, 32, 32) from the VAE's compression, t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, frames * height * width, config["in_channels"]),
+                    encoder_hidden_states=_randn(g, 1, text, config["caption_channels"]), timestep=_timestep(g),
+                    encoder_attention_mask=_text_mask(text, pad, torch.bool), num_frames=frames, height=height,
+                    width=width, rope_interpolation_scale=(8 / 25, 32, 32))
+
+
+def mochi_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2, height: int = 4,
+                 width: int = 8):
+    """MochiPipeline: latent video, T5 rows with a bool mask, t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]), timestep=_timestep(g),
+                    encoder_attention_mask=_text_mask(text, pad, torch.bool))
+
+
+def cogvideox_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: int = 4, height: int = 4,
+                     width: int = 4):
+    """CogVideoXPipeline: latent video (1, f, C, h, w), T5 rows, an int64 timestep, and the rotary (cos, sin)
+    table the pipeline computes (``partitioner.testing.models.cogvideox_rotary``)."""
+    g = torch.Generator().manual_seed(seed)
+    kwargs = dict(hidden_states=_randn(g, 1, frames, config["in_channels"], height, width),
+                  encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]),
+                  timestep=torch.randint(0, 1000, (1,), generator=g))
+    if config.get("use_rotary_positional_embeddings"):
+        kwargs["image_rotary_emb"] = cogvideox_rotary(config, frames, height, width)
+    return (), kwargs
+
+
+def cogview4_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """CogView4Pipeline: latent image, GLM rows, t in [0, 1000), pixel-size original/target sizes and zero crop
+    coords; the model builds its own rotary table."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor([[height * 8.0, width * 8.0]])
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]), timestep=_timestep(g),
+                    original_size=size, target_size=size.clone(), crop_coords=torch.zeros(1, 2))
+
+
+def qwen_image_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 0, height: int = 8,
+                      width: int = 8):
+    """QwenImagePipeline: packed latents, img_shapes [[(1, h/2, w/2)]], t/1000. The pipeline drops an all-ones
+    prompt mask (one prompt never has one), so the mask is passed only when pad > 0 (as for a padded batch).
+    diffusers 0.42.1's forward takes no txt_seq_lens (the text length comes from the mask or the rows)."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 2, width // 2
+    kwargs = dict(hidden_states=_randn(g, 1, h * w, config["in_channels"]),
+                  encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                  encoder_hidden_states_mask=_text_mask(text, pad, torch.int64) if pad else None,
+                  timestep=_timestep(g, 1.0), img_shapes=[[(1, h, w)]])
+    if config.get("guidance_embeds"):
+        kwargs["guidance"] = torch.full([1], 4.0)
+    return (), kwargs
+
+
+def allegro_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2, height: int = 4,
+                   width: int = 8):
+    """AllegroPipeline: latent video, T5 rows with their int64 mask, t in [0, 1000), and the pipeline's rotary
+    ((freqs_t, freqs_h, freqs_w), (grid_t, grid_h, grid_w)) from ``get_3d_rotary_pos_embed_allegro``."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+
+    g = torch.Generator().manual_seed(seed)
+    grid = (height // config["patch_size"], width // config["patch_size"])
+    freqs_t, freqs_h, freqs_w, grid_t, grid_h, grid_w = get_3d_rotary_pos_embed_allegro(
+        embed_dim=config["attention_head_dim"], crops_coords=((0, 0), grid), grid_size=grid, temporal_size=frames,
+        interpolation_scale=(config["interpolation_scale_t"], config["interpolation_scale_h"],
+                             config["interpolation_scale_w"]))
+    pos = torch.cartesian_prod(grid_t.long(), grid_h.long(), grid_w.long())
+    grid_t, grid_h, grid_w = pos.reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1).contiguous()
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width),
+                    encoder_hidden_states=_randn(g, 1, text, config["caption_channels"]), timestep=_timestep(g),
+                    encoder_attention_mask=_text_mask(text, pad, torch.int64),
+                    image_rotary_emb=((freqs_t, freqs_h, freqs_w), (grid_t, grid_h, grid_w)))
+
+
+def minimax_h3_inputs(config: dict, seed: int = 0, *, text: int = 6, video: int = 16, audio: int = 6,
+                      timesteps: int = 2):
+    """MiniMax-H3's packed text/video/audio rows (``partitioner.testing.models.h3_inputs``); 28 rows by default."""
+    return (), h3_inputs(config, text=text, video=video, audio=audio, timesteps=timesteps, seed=seed)
+
+
+# --- configs ----------------------------------------------------------------------------------------------------------
+
+_ROPE16 = (4, 6, 6)  # three rotary axes summing to head_dim 16
+
+ZOO: dict[str, ZooModel] = {m.name: m for m in [
+    ZooModel(
+        "flux", "FluxTransformer2DModel",
+        tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+                  axes_dims_rope=_ROPE16),
+        full=dict(in_channels=64, guidance_embeds=True),  # FLUX.1-dev: class defaults + guidance
+        make_inputs=flux_inputs,
+        notes=""),
+    ZooModel(
+        "flux2", "Flux2Transformer2DModel",
+        tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, timestep_guidance_channels=32,
+                  axes_dims_rope=(4, 4, 4, 4)),
+        full=dict(),  # FLUX.2-dev: the class defaults
+        make_inputs=flux2_inputs,
+        notes=""),
+    ZooModel(
+        "sd3", "SD3Transformer2DModel",
+        tiny=dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64, pooled_projection_dim=32,
+                  out_channels=4, pos_embed_max_size=8, qk_norm="rms_norm"),
+        full=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                  num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm"),
+        make_inputs=sd3_inputs,
+        notes=""),
+    ZooModel(
+        "auraflow", "AuraFlowTransformer2DModel",
+        tiny=dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=2,
+                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
+                  out_channels=4, pos_embed_max_size=64),
+        full=dict(),  # AuraFlow v0.3: the class defaults
+        make_inputs=auraflow_inputs,
+        notes=""),
+    ZooModel(
+        "pixart_sigma", "PixArtTransformer2DModel",
+        tiny=dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+                  cross_attention_dim=64, sample_size=8, patch_size=2, caption_channels=32,
+                  use_additional_conditions=False),
+        full=dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                  cross_attention_dim=1152, sample_size=128, patch_size=2, caption_channels=4096,
+                  use_additional_conditions=False),  # PixArt-Sigma-XL-2-1024-MS
+        make_inputs=pixart_inputs,
+        notes=""),
+    ZooModel(
+        "sana", "SanaTransformer2DModel",
+        tiny=dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+                  num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64,
+                  caption_channels=32, sample_size=4, patch_size=1),
+        full=dict(),  # Sana 1600M 1024px: the class defaults
+        make_inputs=sana_inputs,
+        notes=""),
+    ZooModel(
+        "lumina2", "Lumina2Transformer2DModel",
+        tiny=dict(sample_size=8, patch_size=2, in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1,
+                  num_attention_heads=4, num_kv_heads=2, multiple_of=16, axes_dim_rope=_ROPE16, cap_feat_dim=32),
+        full=dict(cap_feat_dim=2304),  # Lumina-Image-2.0: class defaults with Gemma-2-2B's 2304-wide captions
+        make_inputs=lumina2_inputs,
+        notes=""),
+    ZooModel(
+        "hidream", "HiDreamImageTransformer2DModel",
+        tiny=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=2,
+                  attention_head_dim=16, num_attention_heads=4, caption_channels=[32, 24], text_emb_dim=32,
+                  num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(8, 4, 4), max_resolution=(8, 8),
+                  llama_layers=[0, 1, 2, 2]),
+        full=dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, num_single_layers=32,
+                  attention_head_dim=128, num_attention_heads=20, caption_channels=[4096, 4096], text_emb_dim=2048,
+                  num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(64, 32, 32),
+                  max_resolution=(128, 128), llama_layers=list(range(32)) + [31] * 16),  # HiDream-I1
+        make_inputs=hidream_inputs,
+        notes=""),
+    ZooModel(
+        "hunyuan_video", "HunyuanVideoTransformer3DModel",
+        tiny=dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+                  num_single_layers=2, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
+                  pooled_projection_dim=16, rope_axes_dim=_ROPE16),
+        full=dict(),  # HunyuanVideo (13B): the class defaults
+        make_inputs=hunyuan_video_inputs,
+        notes=""),
+    ZooModel(
+        "wan", "WanTransformer3DModel",
+        tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2),
+        full=dict(),  # Wan 2.1 T2V 14B: the class defaults
+        make_inputs=wan_inputs,
+        notes=""),
+    ZooModel(
+        "ltx_video", "LTXVideoTransformer3DModel",
+        tiny=dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64,
+                  num_layers=2, caption_channels=32),
+        full=dict(),  # LTX-Video 0.9 (2B): the class defaults
+        make_inputs=ltx_video_inputs,
+        notes=""),
+    ZooModel(
+        "mochi", "MochiTransformer3DModel",
+        tiny=dict(patch_size=2, num_attention_heads=4, attention_head_dim=16, num_layers=2, pooled_projection_dim=32,
+                  in_channels=4, text_embed_dim=32, time_embed_dim=32, max_sequence_length=8),
+        full=dict(),  # Mochi 1 preview (10B): the class defaults
+        make_inputs=mochi_inputs,
+        notes=""),
+    ZooModel(
+        "cogvideox", "CogVideoXTransformer3DModel",
+        tiny=TINY_COGVIDEOX,
+        full=dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=512,
+                  text_embed_dim=4096, num_layers=42, sample_width=90, sample_height=60, sample_frames=49,
+                  patch_size=2, use_rotary_positional_embeddings=True),  # CogVideoX-5b
+        make_inputs=cogvideox_inputs,
+        notes=""),
+    ZooModel(
+        "cogview4", "CogView4Transformer2DModel",
+        tiny=TINY_COGVIEW4,
+        full=dict(num_layers=28, attention_head_dim=128, num_attention_heads=32),  # CogView4-6B
+        make_inputs=cogview4_inputs,
+        notes=""),
+    ZooModel(
+        "qwen_image", "QwenImageTransformer2DModel",
+        tiny=dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=_ROPE16),
+        full=dict(),  # Qwen-Image (20B): the class defaults
+        make_inputs=qwen_image_inputs,
+        notes=""),
+    ZooModel(
+        "allegro", "AllegroTransformer3DModel",
+        tiny=dict(patch_size=2, patch_size_t=1, num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                  out_channels=4, num_layers=2, cross_attention_dim=64, sample_height=4, sample_width=8,
+                  sample_frames=2, caption_channels=32),
+        full=dict(),  # Allegro (2.8B): the class defaults
+        make_inputs=allegro_inputs,
+        notes=""),
+    ZooModel(
+        "minimax_h3", "MiniMaxH3Transformer3DModel",
+        tiny=TINY_H3,
+        full=dict(),  # MiniMax-H3: the class defaults
+        make_inputs=minimax_h3_inputs,
+        notes=""),
+]}
+
+
+# --- public helpers --------------------------------------------------------------------------------------------------
+
+def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """``ZOO[name]`` in eval mode, float32. The tiny model is initialised on the CPU after ``torch.manual_seed(0)``
+    and then moved to ``device``, so its weights are the same whichever device it lands on. ``full=True`` builds
+    the production config under ``torch.device("meta")`` (no memory, shapes only) and ignores ``device``."""
+    import diffusers
+
+    entry = ZOO[name]
+    cls = getattr(diffusers, entry.cls)
+    if full:
+        if entry.full is None:
+            raise ValueError(f"{name}: no full-size config known")
+        with torch.device("meta"):
+            return cls(**entry.full).to(torch.float32).eval()
+    torch.manual_seed(0)
+    return cls(**entry.tiny).to(device=device, dtype=torch.float32).eval()
+
+
+def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
+    """(args, kwargs) for the tiny ``build(name)``, on the CPU; ``sizes`` as ``ZOO[name].make_inputs`` names them."""
+    entry = ZOO[name]
+    return entry.make_inputs(entry.tiny, seed, **sizes)
+
+
+# --- self-check ------------------------------------------------------------------------------------------------------
+
+def _first_tensor(out):
+    """The sample tensor of a model output (ModelOutput, tuple or tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return _first_tensor(out[0])
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def check(name: str) -> dict:
+    """Eager (finite, deterministic across two calls), ``torch.export`` (strict=False) and the full param count."""
+    import time
+
+    start, result = time.perf_counter(), {}
+    model = build(name)
+    args, kwargs = inputs(name)
+    result["tiny_params"] = _params(model)
+    try:
+        with torch.no_grad():
+            first, second = _first_tensor(model(*args, **kwargs)), _first_tensor(model(*args, **kwargs))
+        ok = bool(torch.isfinite(first).all()) and torch.equal(first, second)
+        result["eager"] = f"ok {tuple(first.shape)}" if ok else "not finite or not deterministic"
+    except Exception as e:  # noqa: BLE001  (a report, not a test)
+        result["eager"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        with torch.no_grad():
+            torch.export.export(model, args, kwargs, strict=False)
+        result["export"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        result["export"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    try:
+        result["full_params"] = _human(_params(build(name, full=True))) if ZOO[name].full is not None else "-"
+    except Exception as e:  # noqa: BLE001
+        result["full_params"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    names = sys.argv[1:] or list(ZOO)
+    print(f"{'model':<14} {'eager':<24} {'tiny':>7} {'full':>7} {'sec':>5}  export")
+    for name in names:
+        r = check(name)
+        print(f"{name:<14} {r['eager'][:24]:<24} {_human(r['tiny_params']):>7} {r['full_params']:>7} "
+              f"{r['seconds']:5.1f}  {r['export'][:160]}", flush=True)
