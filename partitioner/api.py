@@ -135,12 +135,16 @@ class Partitioned:
         return self.ctx.linear_styles
 
     def explain(self, module_path: str | None = None) -> str:
-        """Why a Linear was planned the way it was, or whether an attention module is sequence-sharded and why not;
-        with no path, every decision, a line each."""
+        """Why a Linear was planned the way it was, whether an attention module is sequence-sharded and why not, or
+        (on a dp/cfg axis) whether an input is split along the batch and why not; with no path, every decision, a
+        line each."""
         if module_path is None:
-            return "\n".join(self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention])
+            return "\n".join(self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
+                                                              *self.ctx.batch_split])
         if module_path in self.ctx.sequence_attention:
             return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
+        if module_path in self.ctx.batch_split:
+            return f"input {module_path}: {self.ctx.batch_split[module_path]}"
         style = self.ctx.linear_styles.get(module_path)
         if style is None:
             known = sorted([*self.ctx.linear_styles, *self.ctx.sequence_attention])

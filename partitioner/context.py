@@ -31,6 +31,7 @@ class PassContext:
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
     sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
     sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
+    batch_split: dict[str, str] = field(default_factory=dict)  # input -> split along the batch, or why not (dp)
     padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
     #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops

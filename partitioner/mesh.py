@@ -18,7 +18,8 @@ import torch
 
 from .errors import MeshError
 
-KNOWN_AXES = ("tp", "ulysses")
+BATCH_AXES = ("dp", "cfg")  # data parallelism; "cfg" names it for classifier-free guidance's batch halves
+KNOWN_AXES = ("tp", "ulysses") + BATCH_AXES
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ def _check_axis_names(names) -> None:
             raise MeshError(f"unknown mesh dim name {name!r}: use names from {list(KNOWN_AXES)}")
     if len(set(names)) != len(names):
         raise MeshError(f"mesh dim names repeat: {list(names)}")
+    if len([name for name in names if name in BATCH_AXES]) > 1:
+        raise MeshError(f"mesh dims {list(names)} name two batch axes; use one of {list(BATCH_AXES)}")
 
 
 def _check_contiguous_ulysses(spec: MeshSpec) -> MeshSpec:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import annotate_heads, hoist_host, insert_collectives, localize, pad_inputs, plan_sequence, plan_sharding
+from . import (annotate_heads, hoist_host, insert_collectives, localize, pad_inputs, plan_batch, plan_sequence,
+               plan_sharding)
 from .runner import run_passes
 
 
@@ -39,6 +40,8 @@ PLAN = (
          "every value has a 'tp' placement and every input a 'tp' requirement"),
     Pass("plan_sequence", plan_sequence.run, plan_sequence.check, ("plan_sharding",),
          "every value has a 'ulysses' placement and every input a 'ulysses' requirement"),
+    Pass("plan_batch", plan_batch.run, plan_batch.check, ("plan_sequence",),
+         "on a dp/cfg axis every value has a batch placement: inputs split along the batch, outputs gathered"),
 )
 TO_RANK = (
     Pass("insert_collectives", insert_collectives.run, insert_collectives.check, ("plan_sharding", "plan_sequence"),

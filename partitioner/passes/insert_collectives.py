@@ -135,7 +135,21 @@ def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext
     raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
 
 
+def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
+    """Every partial sum is reduced right after its producer, before any other axis moves it: a row-wise
+    linear's bias is moved after the reduction only when the reduction reads the linear itself (a value gathered
+    over a batch axis first would add the bias once per rank)."""
+    for axis in ctx.mesh.axis_names:
+        for node in list(gm.graph.nodes):
+            for producer in list(node.all_input_nodes):
+                required = node.meta["required"].get(axis, {}).get(producer)
+                if isinstance(producer.meta["placements"][axis], Partial) and required is not None \
+                        and not isinstance(required, (tuple, Partial)):
+                    _all_reduce(producer, axis, ctx)
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    _reduce_partials(gm, ctx)
     for axis in ctx.mesh.axis_names:
         redistributed: dict[tuple[Node, str], Node] = {}
         for node in list(gm.graph.nodes):
