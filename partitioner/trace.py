@@ -182,6 +182,7 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TraceError(
             f"torch.export could not trace {owner}: {type(error).__name__}: {first_line}\n"
+            f"at the model's {_model_frame(error, model)}\n"
             "partition needs a model that torch.export.export(model, (), kwargs=...) accepts; see the chained "
             "exception for where tracing stopped."
         ) from error
@@ -220,6 +221,21 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
 
 
 _FRAME = re.compile(r'\s*File "(.+)", line (\d+), in (\S+)')
+
+
+def _model_frame(error: BaseException, model: torch.nn.Module) -> str:
+    """The innermost frame of ``error``'s traceback in the model's own package (diffusers' file and line), or in
+    any file outside torch: where the model's code did what export refused."""
+    import traceback
+
+    package = type(model).__module__.split(".")[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f"/{package}/" in f.filename] or \
+        [f for f in frames if "/torch/" not in f.filename and "/partitioner/" not in f.filename]
+    if not ours:
+        return "code (no frame outside torch recorded)"
+    frame = ours[-1]
+    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def source_line(node: torch.fx.Node) -> str:

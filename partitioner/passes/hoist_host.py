@@ -28,7 +28,7 @@ from ..context import PassContext
 from ..errors import InvariantError
 from ..padding import follow_padding
 from ..rules import PartitionError
-from ..trace import GraphInput
+from ..trace import GraphInput, source_line
 
 # Trace-time checks on sizes: true by construction once shapes are static and bounded.
 _SIZE_CHECKS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -147,8 +147,8 @@ def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple
         device_users = [u.name for u in node.users if u not in host]
         if device_users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
             raise PartitionError(f"{node.name} ({node.target}) is a data-dependent number that device ops use "
-                                 f"({', '.join(device_users)}); compute the tensor it sizes on the host, or give "
-                                 "the model a static size")
+                                 f"({', '.join(device_users)}; {source_line(node)}); compute the tensor it sizes "
+                                 "on the host, or give the model a static size")
     outgoing = [n for n in ordered if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in host for u in n.users)]
     prologue.output(tuple(env[n] for n in outgoing))
     return prologue, inputs, outgoing

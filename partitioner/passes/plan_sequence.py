@@ -141,6 +141,8 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         where = info.module if info is not None else node.name
         if decisions[node].output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             ctx.sequence_attention[where] = "sequence-sharded (Ulysses all_to_all)"
+        elif decisions[node].output == Shard(2):  # this rank's query rows over whole keys and values
+            ctx.sequence_attention[where] = "sequence-sharded (query rows; keys and values whole, no communication)"
         elif node in refused:
             ctx.sequence_attention[where] = f"not sequence-sharded: {refused[node]}"
         else:

@@ -50,9 +50,15 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         sharded = sharded_inputs(node, placements)
         if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
             return attention(node, placements, axis_size)
-        if len(node.all_input_nodes) > 3:
-            raise Unshardable("sequence-parallel attention with a mask is not supported")
-        if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1]:
+        masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
+        if q in sharded and k not in sharded and v not in sharded:
+            if shape_of(q)[2] < axis_size:
+                raise Unshardable(f"{node.name}: {shape_of(q)[2]} query rows cannot be spread over a {axis} degree "
+                                  f"of {axis_size}")
+            return _query_rows(node, masks)
+        if any(n in sharded for n in masks):
+            raise Unshardable("a mask sharded along the sequence (Ulysses needs it whole, per head)")
+        if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1] or q not in sharded:
             raise Unshardable("sequence-parallel attention needs self-attention with as many key as query heads")
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
@@ -66,5 +72,25 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         if shape_of(q)[2] < axis_size:
             raise Unshardable(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
                               f"degree of {axis_size}")
-        return Decision(Shard(1), {q: Shard(1), k: Shard(1), v: Shard(1)}, visible=Shard(2))
+        # a mask (batch, heads or 1, q rows, k rows) goes whole to the exchange: cut to this rank's heads
+        inputs = {q: Shard(1), k: Shard(1), v: Shard(1)}
+        inputs.update({mask: _along(mask, 1) for mask in masks})
+        return Decision(Shard(1), inputs, visible=Shard(2))
     return sequence_attention
+
+
+def _along(mask: Node, dim: int):
+    """A mask broadcast against (batch, heads, q rows, k rows), cut along ``dim`` where it is not broadcast."""
+    shape = shape_of(mask)
+    local = dim - (4 - len(shape))
+    return R if local < 0 or shape[local] == 1 else Shard(local)
+
+
+def _query_rows(node: Node, masks: list[Node]) -> Decision:
+    """Only the queries are sequence-sharded, keys and values whole (cross-attention to the text, or attention to
+    a short context): every query row attends over every key on its own rank, so this rank's rows of the output
+    need no communication; a mask is cut to the same query rows."""
+    q, k, v = node.args[:3]
+    inputs = {q: Shard(2), k: R, v: R}
+    inputs.update({mask: _along(mask, 2) for mask in masks})
+    return Decision(Shard(2), inputs)

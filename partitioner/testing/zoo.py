@@ -527,3 +527,46 @@ if __name__ == "__main__":
         r = check(name)
         print(f"{name:<14} {r['eager'][:24]:<24} {_human(r['tiny_params']):>7} {r['full_params']:>7} "
               f"{r['seconds']:5.1f}  {r['export'][:160]}", flush=True)
+
+
+# ---- one zoo model partitioned on one mesh, on every rank (the zoo test and benchmarks/zoo.py) ----
+
+MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
+
+
+def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple) -> dict:
+    """Partition zoo model ``name`` on a ``shape``/``names`` DeviceMesh of the running ranks and compare this
+    rank's output with the unpartitioned model's: ``{"status": "exact" | "refused", ...}`` with the error, the
+    refusal's class and message, the replicated share of parameter bytes, collectives, attentions sharded over
+    ulysses and seconds spent partitioning."""
+    import time
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .. import partition
+    from ..errors import PartitionerError
+
+    model, (args, kwargs) = build(name), inputs(name)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            partitioned = partition(model, mesh, (args, kwargs))
+        seconds = time.perf_counter() - start
+        got = _first_tensor(partitioned.compile()(*args, **kwargs))
+    except PartitionerError as error:
+        return dict(status="refused", error_type=type(error).__name__,
+                    message=" ".join(str(error).splitlines()[:2])[:500])
+    with torch.no_grad():
+        expected = _first_tensor(model(*args, **kwargs))
+    scale = expected.abs().max().item() or 1.0
+    report = partitioned.report()
+    attention = partitioned.ctx.sequence_attention
+    return dict(status="exact" if (got - expected).abs().max().item() <= 1e-5 * max(scale, 1.0) else "wrong",
+                error=(got - expected).abs().max().item(), scale=scale, replicated=report.replicated_share,
+                collectives={f"{kind}:{axis}": n for (kind, axis), n in partitioned.collective_counts().items()},
+                attention_sharded=sum(v.startswith("sequence-sharded") for v in attention.values()),
+                attentions=len(attention), seconds=seconds,
+                unsharded={k: v for k, v in attention.items() if not v.startswith("sequence-sharded")})
