@@ -24,6 +24,7 @@ from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape
 from ..rules import PartitionError
 
 aten = torch.ops.aten
+_ATTENTION = aten.scaled_dot_product_attention.default
 functional = torch.ops._c10d_functional
 R = Replicate()
 
@@ -97,10 +98,15 @@ def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     return _annotate(gather, producer, axis, R, {producer: placement}, "all_gather")
 
 
-def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext) -> Node:
-    """Shard(a) -> Shard(b) over one axis: every rank sends each peer its part of b, receives its part of a."""
-    if isinstance(current, PackedShard) or isinstance(required, PackedShard):
-        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is not supported")
+def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
+    """Shard(a) -> Shard(b) over one axis: every rank sends each peer its part of b, receives its part of a.
+
+    A packed shard (a joint text + image sequence, each part sharded on its own) is exchanged as a plain one only
+    into or out of an attention: the gathered rows come in rank order, a permutation of the sequence that attention
+    does not see (keys and values permuted alike, checked by its rule), and the exchange back inverts it."""
+    packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
+    if packed and _ATTENTION not in (producer.target, consumer.target):
+        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact around an attention")
     args = (producer, required.dim, current.dim, _axis_sizes(producer, required.dim, axis, ctx),
             _axis_sizes(producer, current.dim, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
     with producer.graph.inserting_after(producer):
@@ -125,13 +131,13 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     return _annotate(joined, producer, axis, placement, {p: placement for p in pieces})
 
 
-def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext) -> Node:
+def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
     if current == R and is_sharded(required):
         return _narrow(producer, required, axis, ctx)
     if is_sharded(current) and required == R:
         return _all_gather(producer, current, axis, ctx)
     if is_sharded(current) and is_sharded(required):
-        return _all_to_all(producer, current, required, axis, ctx)
+        return _all_to_all(producer, current, required, axis, ctx, consumer)
     raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
 
 
@@ -162,9 +168,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     producer, current = _all_reduce(producer, axis, ctx), R
                     if required == R:
                         continue
-                key = (producer, repr(required))
+                # a packed exchange is exact only for the attention it feeds: never shared with another consumer
+                packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
+                key = (producer, repr(required), node if packed and producer.target is not _ATTENTION else None)
                 if key not in redistributed:
-                    redistributed[key] = _redistribute(producer, current, required, axis, ctx)
+                    redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
                 node.replace_input_with(producer, redistributed[key])
                 _rekey(node, producer, redistributed[key])
     return gm

@@ -20,7 +20,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import PassContext
 from ..errors import InvariantError
-from ..placement import is_sharded, local_shape
+from ..placement import PackedShard, is_sharded, local_shape
+from ..rules.views import block_range
 
 aten = torch.ops.aten
 _SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -63,7 +64,9 @@ def _localize_sizes(node: Node, mesh) -> None:
         return
     if not any(is_sharded(p) for p in placements.values()):
         return
-    if node.target in _SIZED_VIEWS:
+    if node.target in (aten.slice.Tensor, aten.slice_scatter.default):
+        _localize_block_slice(node, mesh)
+    elif node.target in _SIZED_VIEWS:
         node.args = (node.args[0], _expected_local(node, mesh))
     elif node.target is aten.unflatten.int:  # named sizes become local, an inferred (-1) one stays inferred
         dim, split = node.args[1], list(node.args[2])
@@ -73,6 +76,24 @@ def _localize_sizes(node: Node, mesh) -> None:
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])
+
+
+def _localize_block_slice(node: Node, mesh) -> None:
+    """A slice (or slice_scatter) over whole blocks of a packed shard (the image rows of a joint text + image
+    sequence) covers this rank's part of those blocks: their local offsets."""
+    source = node.args[0]
+    dim_arg = 2 if node.target is aten.slice_scatter.default else 1
+    dim = node.args[dim_arg] % len(source.meta["global_shape"])
+    packed = [(axis, p) for axis, p in source.meta["placements"].items()
+              if isinstance(p, PackedShard) and p.dim == dim]
+    if not packed:
+        return
+    (axis, placement), = packed
+    if any(is_sharded(p) and p.dim == dim for other, p in source.meta["placements"].items() if other != axis):
+        raise InvariantError(f"{node.name}: a block slice of a dim sharded over two axes")
+    first, last = block_range(node, placement, dim_arg)
+    local = [size // mesh.size(axis) for size in placement.blocks]
+    node.args = (*node.args[:dim_arg + 1], sum(local[:first]), sum(local[:last]))
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -35,13 +35,26 @@ AXIS = "ulysses"
 R = Replicate()
 
 
-def _sequence_lengths(attentions: list[Node]) -> set[int]:
+def _sequence_lengths(gm: GraphModule, attentions: list[Node]) -> tuple[set[int], set[int]]:
+    """The self-attentions' lengths, and the lengths of the parts a joint sequence is concatenated from (text and
+    image rows of an MMDiT), with the joint lengths among them: each part is offered sharded on its own, so the
+    joint sequence is a packed shard whose blocks split back into the parts without communication."""
     lengths = set()
     for node in attentions:
         q, k = shape_of(node.args[0]), shape_of(node.args[1])
         if len(q) == 4 and q[2] == k[2]:
             lengths.add(q[2])
-    return lengths
+    joint = set()
+    for _ in range(2):  # a part may itself be concatenated
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.cat.default and shape_of(node) and len(node.args[0]) > 1:
+                dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape_of(node))
+                parts = {shape_of(part)[dim] for part in node.args[0] if shape_of(part)}
+                # (a sequence is never the last dim: a cat there joins features, e.g. rotary frequencies)
+                if shape_of(node)[dim] in lengths and 0 not in parts and dim != len(shape_of(node)) - 1:
+                    joint.add(shape_of(node)[dim])
+                    lengths |= parts
+    return lengths, joint
 
 
 def _ancestors(nodes: list[Node]) -> set[Node]:
@@ -67,7 +80,7 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], feeds_atte
 
 
 def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
-               refused: dict[Node, str]):
+               refused: dict[Node, str], joint: set[int] = frozenset()):
     """One sweep (``partitioner.propagate``): decisions, and the seeds that failed before an attention (with why).
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
     refuses its sequence-sharded inputs is recorded in ``refused``; after the last attention a refusal just gathers
@@ -87,7 +100,9 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
         if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
             refused[failure.node] = str(problem)
         if failure.node in feeds_attention:
-            for seed in failure.seeds:
+            # a joint-length value sharded whole meets the packed parts: it gives way (it is sliced to them)
+            whole = {s for s in failure.seeds if shape_of(s)[seeds[s]] in joint}
+            for seed in (whole if whole and whole != failure.seeds else failure.seeds):
                 failed.setdefault(seed, f"{failure.node.name}: {problem}")
     return swept.decisions, failed
 
@@ -98,12 +113,13 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
     feeds_attention = _ancestors(attentions) | set(attentions)
+    lengths, joint = _sequence_lengths(gm, attentions)
     if ctx.mesh.size(AXIS) > 1:
         seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
-                 else _candidates(gm, ctx, _sequence_lengths(attentions), feeds_attention))
+                 else _candidates(gm, ctx, lengths, feeds_attention))
     refused: dict[Node, str] = {}
     while True:
-        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused)
+        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused, joint)
         if failed and ctx.given_sequence_seeds is not None:
             raise PartitionError("the plan's sequence sharding cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))

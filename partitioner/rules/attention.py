@@ -51,11 +51,16 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
             return attention(node, placements, axis_size)
         masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
+        packed = any(isinstance(p, PackedShard) for p in sharded.values())
+        if packed and (masks or placements.get(k) != placements.get(v)):
+            raise Unshardable("a packed sequence (joint text + image rows) reaches the exchange in rank order, "
+                              "so keys and values must be packed alike and no mask may address positions (q, k, "
+                              f"v: {[str(placements.get(n, R)) for n in (q, k, v)]}, {len(masks)} masks)")
         if q in sharded and k not in sharded and v not in sharded:
             if shape_of(q)[2] < axis_size:
                 raise Unshardable(f"{node.name}: {shape_of(q)[2]} query rows cannot be spread over a {axis} degree "
                                   f"of {axis_size}")
-            return _query_rows(node, masks)
+            return _query_rows(node, placements, masks)
         if any(n in sharded for n in masks):
             raise Unshardable("a mask sharded along the sequence (Ulysses needs it whole, per head)")
         if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1] or q not in sharded:
@@ -75,7 +80,9 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         # a mask (batch, heads or 1, q rows, k rows) goes whole to the exchange: cut to this rank's heads
         inputs = {q: Shard(1), k: Shard(1), v: Shard(1)}
         inputs.update({mask: _along(mask, 1) for mask in masks})
-        return Decision(Shard(1), inputs, visible=Shard(2))
+        # Rows arrive in rank order: a packed (joint) sequence is permuted, the same way for keys and values, which
+        # attention does not see; the output goes back to the queries' own layout by the inverse exchange.
+        return Decision(Shard(1), inputs, visible=placements[q])
     return sequence_attention
 
 
@@ -86,11 +93,11 @@ def _along(mask: Node, dim: int):
     return R if local < 0 or shape[local] == 1 else Shard(local)
 
 
-def _query_rows(node: Node, masks: list[Node]) -> Decision:
+def _query_rows(node: Node, placements, masks: list[Node]) -> Decision:
     """Only the queries are sequence-sharded, keys and values whole (cross-attention to the text, or attention to
     a short context): every query row attends over every key on its own rank, so this rank's rows of the output
     need no communication; a mask is cut to the same query rows."""
     q, k, v = node.args[:3]
-    inputs = {q: Shard(2), k: R, v: R}
+    inputs = {q: placements[q], k: R, v: R}
     inputs.update({mask: _along(mask, 2) for mask in masks})
-    return Decision(Shard(2), inputs)
+    return Decision(placements[q], inputs)

@@ -70,3 +70,17 @@ def type_as(node: Node, placements, axis_size: int) -> Decision:
 @register(*CREATION_FROM)
 def creation_from(node: Node, placements, axis_size: int) -> Decision:
     return Decision(R, {n: placements.get(n, R) for n in node.all_input_nodes})
+
+
+@register(aten.outer.default)
+def outer(node: Node, placements, axis_size: int) -> Decision:
+    """outer(a, b)[i, j] = a[i] * b[j]: a's rows are the output's rows, b's its columns (rotary angles from
+    positions and frequencies)."""
+    a, b = node.args[:2]
+    sharded = sharded_inputs(node, placements)
+    if not sharded:
+        return Decision(R, {a: R, b: R})
+    if len(sharded) > 1:
+        raise Unshardable("outer product of two sharded vectors")
+    return Decision(with_dim(sharded[a], 0) if a in sharded else with_dim(sharded[b], 1),
+                    {a: placements.get(a, R), b: placements.get(b, R)})

@@ -83,8 +83,6 @@ def view(node: Node, placements, axis_size: int) -> Decision:
     placement = placements.get(source, R)
     if not is_sharded(placement):
         return same_as_input(node, placements, source)
-    if isinstance(placement, PackedShard):
-        raise Unshardable("a packed value cannot be reshaped")
     in_shape, out_shape = shape_of(source), shape_of(node)
     if node.target is aten.unflatten.int:
         dim = norm_dim(node.args[1], len(in_shape))
@@ -110,7 +108,19 @@ def view(node: Node, placements, axis_size: int) -> Decision:
             raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {placement.dim}")
     else:
         out_dim = view_shard_dim(in_shape, out_shape, placement.dim, axis_size)
+    if isinstance(placement, PackedShard):  # its blocks survive only a dim passed through whole
+        if in_shape[placement.dim] != out_shape[out_dim] or not _passes_through(in_shape, out_shape, placement.dim):
+            raise Unshardable("a packed value cannot be reshaped along its packed dim")
+        return Decision(PackedShard(out_dim, placement.blocks), {source: placement})
     return Decision(Shard(out_dim), {source: placement})
+
+
+def _passes_through(in_shape, out_shape, dim: int) -> bool:
+    """Input ``dim`` maps to one output dim of the same size, merged with nothing but size-1 dims."""
+    for gi, gj in view_groups(in_shape, out_shape):
+        if dim in gi:
+            return [d for d in gi if in_shape[d] != 1] == [dim] and len([d for d in gj if out_shape[d] != 1]) == 1
+    return False
 
 
 
@@ -172,10 +182,34 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
     ndim = len(shape_of(source))
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
     if dim == placement.dim:
+        covered = block_range(node, placement) if isinstance(placement, PackedShard) and \
+            node.target is aten.slice.Tensor else None
+        if covered:  # whole blocks of a packed layout (the image rows of a joint sequence): this rank's part
+            return Decision(blocks_placement(placement, *covered), {source: placement})
         raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
     out_dim = placement.dim - (node.target is aten.select.int and dim < placement.dim)
     return Decision(with_dim(placement, out_dim), same_as_input(node, placements, source).inputs)
 
+
+
+def block_range(node: Node, placement: PackedShard, dim_arg: int = 1) -> tuple[int, int] | None:
+    """The blocks ``[i, j)`` of ``placement`` that ``node`` (a slice, or a slice_scatter with ``dim_arg`` 2) covers
+    exactly, with step 1; None when it cuts a block."""
+    args = node.args
+    size = sum(placement.blocks)
+    start = args[dim_arg + 1] if len(args) > dim_arg + 1 and args[dim_arg + 1] is not None else 0
+    end = args[dim_arg + 2] if len(args) > dim_arg + 2 and args[dim_arg + 2] is not None else size
+    step = args[dim_arg + 3] if len(args) > dim_arg + 3 else 1
+    start, end = (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
+    offsets = [sum(placement.blocks[:i]) for i in range(len(placement.blocks) + 1)]
+    if step != 1 or start not in offsets or end not in offsets or end <= start:
+        return None
+    return offsets.index(start), offsets.index(end)
+
+
+def blocks_placement(placement: PackedShard, i: int, j: int):
+    """Blocks ``[i, j)`` of a packed layout: a plain shard for one block, a packed one for several."""
+    return Shard(placement.dim) if j - i == 1 else PackedShard(placement.dim, placement.blocks[i:j])
 
 
 @register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -212,19 +246,29 @@ def _tensor_list_op(node: Node, placements) -> tuple[list[Node], int, dict[Node,
 
 @register(aten.cat.default)
 def cat(node: Node, placements, axis_size: int) -> Decision:
+    """cat along another dim keeps a common sharding; along the sharded dim, every piece sharded on its own (a
+    joint text + image sequence) makes a packed layout whose blocks are the pieces (and a packed piece's blocks)."""
     tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
-    if any(isinstance(p, PackedShard) for p in sharded.values()):
-        raise Unshardable("cat of packed values")
+    if any(isinstance(p, PackedShard) for p in sharded.values()) and len(set(sharded.values())) == 1 \
+            and next(iter(sharded.values())).dim != dim:
+        if len(sharded) != len(tensors):
+            raise Unshardable("cat of a packed value with values laid out otherwise")
+        return Decision(next(iter(sharded.values())), {n: placements[n] for n in tensors})  # side by side
     dims = {p.dim for p in sharded.values()}
     if len(dims) != 1:
         raise Unshardable(f"cat of values sharded on different dims {sorted(dims)}")
     shard = dims.pop()
-    inputs = {n: Shard(shard) for n in tensors}
     if shard != dim:
-        return Decision(Shard(shard), inputs)
-    blocks = tuple(shape_of(n)[dim] for n in tensors)
+        if any(isinstance(p, PackedShard) for p in sharded.values()):
+            raise Unshardable("cat of values packed differently")
+        return Decision(Shard(shard), {n: Shard(shard) for n in tensors})
+    blocks, inputs = (), {}
+    for n in tensors:
+        placement = placements.get(n, R)
+        inputs[n] = placement if isinstance(placement, PackedShard) else Shard(dim)
+        blocks += placement.blocks if isinstance(placement, PackedShard) else (shape_of(n)[dim],)
     if any(b % axis_size for b in blocks):
         raise Unshardable(f"cat along the sharded dim of blocks {list(blocks)} not divisible by {axis_size}")
     return Decision(PackedShard(dim, blocks), inputs)
@@ -235,7 +279,38 @@ def stack(node: Node, placements, axis_size: int) -> Decision:
     tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
-    if len(set(sharded.values())) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
+    if len(set(sharded.values())) != 1 or (len(sharded) != len(tensors)
+                                           and any(isinstance(p, PackedShard) for p in sharded.values())):
         raise Unshardable("stack of values sharded differently")
     placement = next(iter(sharded.values()))
-    return Decision(Shard(placement.dim + (dim <= placement.dim)), {n: placement for n in tensors})
+    return Decision(with_dim(placement, placement.dim + (dim <= placement.dim)), {n: placement for n in tensors})
+
+
+@register(aten.view_as_complex.default)
+@_moves_dims
+def view_as_complex(node: Node, dim: int) -> int:
+    """(..., 2) reals -> (...) complex: the last dim is consumed (a shard there is refused by the caller's shape)."""
+    if dim == len(shape_of(node.args[0])) - 1:
+        raise Unshardable("view_as_complex over the sharded last dim")
+    return dim
+
+
+@register(aten.view_as_real.default)
+@_moves_dims
+def view_as_real(node: Node, dim: int) -> int:
+    """(...) complex -> (..., 2) reals: a new last dim."""
+    return dim
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave(node: Node, placements, axis_size: int) -> Decision:
+    """Each element repeated along one dim (``x.repeat_interleave(2, dim=-1)`` in rotary tables): fine along any
+    other dim; without a dim the input is flattened first."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not is_sharded(placement):
+        return same_as_input(node, placements, source)
+    if dim is None or norm_dim(dim, len(shape_of(source))) == placement.dim:
+        raise Unshardable("repeat_interleave along (or flattening) the sharded dim")
+    return Decision(placement, {source: placement})
