@@ -14,6 +14,9 @@ How the plan is found:
    ``index_copy`` scatter that builds the packed sequence from sequence-wide indices, so the sequence is sharded
    once it is built, and the per-row values (AdaLN row indices, rotary angles, norm_out's timestep indices) are
    sliced at their source, without communication.
+   A joint sequence concatenated from parts (an MMDiT's text and image rows) is sharded part by part: the joint
+   value is a packed shard, exchanged around attention in rank order (attention does not see the permutation)
+   and split back into its parts without communication. Only on DeviceMesh partitions (see ``run``).
 4. *After* the last attention such an op gets the sequence gathered just before it: as late as possible, so it
    moves the fewest bytes (for H3 after the output heads, before the ``index_select`` of video and audio rows).
 """
@@ -35,7 +38,7 @@ AXIS = "ulysses"
 R = Replicate()
 
 
-def _sequence_lengths(gm: GraphModule, attentions: list[Node]) -> tuple[set[int], set[int]]:
+def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True) -> tuple[set[int], set[int]]:
     """The self-attentions' lengths, and the lengths of the parts a joint sequence is concatenated from (text and
     image rows of an MMDiT), with the joint lengths among them: each part is offered sharded on its own, so the
     joint sequence is a packed shard whose blocks split back into the parts without communication."""
@@ -45,7 +48,7 @@ def _sequence_lengths(gm: GraphModule, attentions: list[Node]) -> tuple[set[int]
         if len(q) == 4 and q[2] == k[2]:
             lengths.add(q[2])
     joint = set()
-    for _ in range(2):  # a part may itself be concatenated
+    for _ in range(2 if parts else 0):  # a part may itself be concatenated
         for node in gm.graph.nodes:
             if node.target is torch.ops.aten.cat.default and shape_of(node) and len(node.args[0]) > 1:
                 dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape_of(node))
@@ -113,7 +116,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
     feeds_attention = _ancestors(attentions) | set(attentions)
-    lengths, joint = _sequence_lengths(gm, attentions)
+    # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
+    # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
+    lengths, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
     if ctx.mesh.size(AXIS) > 1:
         seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
                  else _candidates(gm, ctx, lengths, feeds_attention))

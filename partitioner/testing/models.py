@@ -283,7 +283,8 @@ def idiom_cases() -> dict:
         "joint_unflatten": (JointAttention, {"a": x(1, 5, 32), "b": x(1, 3, 32)}),
         "zeros_like": (LikeOps, {"x": x(3, 8)}),
         "view_heads_odd_rows": (ViewHeads, {"x": x(1, 5, 32)}),
-        "masked": (MaskedAttention, {"x": x(1, 6, 32), "mask": x(1, 1, 6, 6) > -1}),
+        # a per-head mask that hides about half the keys (never a row's own): wrong rows or heads would show
+        "masked": (MaskedAttention, {"x": x(1, 6, 32), "mask": (x(1, 4, 6, 6) > 0) | torch.eye(6, dtype=torch.bool)}),
     }
 
 
