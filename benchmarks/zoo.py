@@ -6,8 +6,9 @@ Two tables:
 1. tiny random models (CPU, gloo ranks) in TP=2, Ulysses=2 and TP=2 x Ulysses=2: exact against the unpartitioned
    model or refused (and why), the share of parameter bytes replicated, collectives per transformer block
    (all_reduce over tp, all_to_all over ulysses), attentions sequence-sharded, partition seconds;
-2. the production-size config traced on the meta device and planned at TP=--full-tp (no process group, no
-   memory): the share of parameter bytes every rank holds whole, and the largest replicated modules.
+2. the production-size config traced on the meta device with production-size inputs (``PRODUCTION``) and planned
+   at TP=--full-tp (no process group, no memory): the share of parameter bytes every rank holds whole, and the
+   largest replicated modules.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def full_table(models: list[str], degree: int) -> list[str]:
         if ZOO[name].full is None:
             continue
         model = build(name, full=True)
-        args, kwargs = ZOO[name].make_inputs(config(name, full=True), 0)
+        args, kwargs = ZOO[name].make_inputs(config(name, full=True), 0, **_production_sizes(ZOO[name].make_inputs))
         to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
         args = tuple(to_meta(a) for a in args)
         kwargs = {k: torch.utils._pytree.tree_map(to_meta, v) for k, v in kwargs.items()}
@@ -95,6 +96,22 @@ def full_table(models: list[str], degree: int) -> list[str]:
         lines.append(f"| {name} | {params / 1e9:.1f}B | {report.replicated_share:.1%} | {largest} | {seconds:.0f} |")
         print(lines[-1], flush=True)
     return lines
+
+
+# Sizes of a production call (the plan depends on them: a Linear over few rows is split row-wise): a 1024x1024 image
+# or a short 480p video in latent units, 256 text tokens; traced on the meta device, they cost nothing.
+PRODUCTION = dict(text=256, height=128, width=128, frames=8, video=4096, audio=256)
+
+
+def _production_sizes(make_inputs) -> dict:
+    """The PRODUCTION sizes this input builder takes (video builders get a smaller frame)."""
+    import inspect
+
+    accepted = {name for name, p in inspect.signature(make_inputs).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    sizes = {name: size for name, size in PRODUCTION.items() if name in accepted}
+    if "frames" in sizes:
+        sizes.update(height=60, width=104)
+    return sizes
 
 
 def _pattern(path: str) -> str:

@@ -45,3 +45,32 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes
         send, [math.prod(s) for s in shapes], [piece.numel() for piece in pieces], group_name))
     parts = received.split([math.prod(s) for s in shapes])
     return torch.cat([part.view(shape) for part, shape in zip(parts, shapes)], dim=gather_dim)
+
+
+def _sum_over_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return functional.wait_tensor(functional.all_reduce(x, "sum", group_name))
+
+
+def sharded_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, size: int,
+                     group_name: str) -> torch.Tensor:
+    """``rms_norm`` over a last dim of ``size`` features of which this rank holds a shard (q/k projections normed
+    across all heads, as Wan and LTX-Video do): the sum of squares of each row is reduced over the ranks (one
+    all_reduce of ``[rows, 1]``), then each rank scales its own features. Statistics in float32, as torch's kernel."""
+    wide = x.float()
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    squares = _sum_over_ranks(wide.square().sum(-1, keepdim=True), group_name)
+    out = (wide * torch.rsqrt(squares / size + eps)).to(x.dtype)
+    return out if weight is None else out * weight
+
+
+def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                       size: int, group_name: str) -> torch.Tensor:
+    """``layer_norm`` over a sharded last dim: the mean, then the variance around it, each one all_reduce of
+    ``[rows, 1]`` (two passes, as exact as the one-device kernel's)."""
+    wide = x.float()
+    mean = _sum_over_ranks(wide.sum(-1, keepdim=True), group_name) / size
+    centered = wide - mean
+    variance = _sum_over_ranks(centered.square().sum(-1, keepdim=True), group_name) / size
+    out = (centered * torch.rsqrt(variance + eps)).to(x.dtype)
+    out = out if weight is None else out * weight
+    return out if bias is None else out + bias

@@ -125,12 +125,18 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 
 
 def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
+    from .collectives import sharded_layer_norm, sharded_rms_norm
+
     calls = defaultdict(int)
     for node in gm.graph.nodes:
         if "collective" in node.meta:
             kind, axis = node.meta["collective"]
             val = node.meta["val"]
-            calls[(kind, axis, val.numel() * val.element_size())] += 1
+            if node.target in (sharded_rms_norm, sharded_layer_norm):  # float32 row statistics, not the output
+                statistics = val.numel() // val.shape[-1] * 4
+                calls[(kind, axis, statistics)] += 1 if node.target is sharded_rms_norm else 2
+            else:
+                calls[(kind, axis, val.numel() * val.element_size())] += 1
     return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
 
 

@@ -14,6 +14,8 @@ New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -111,6 +113,8 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
             _axis_sizes(producer, current.dim, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
     with producer.graph.inserting_after(producer):
         exchange = producer.graph.call_function(collectives.all_to_all, args)
+    if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
+        exchange.meta["rank_order"] = (axis, current.blocks)
     return _annotate(exchange, producer, axis, required, {producer: current}, "all_to_all")
 
 
@@ -154,7 +158,111 @@ def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
                     _all_reduce(producer, axis, ctx)
 
 
+def _required_local_shape(node: Node, source: Node, ctx: PassContext) -> list[int]:
+    """``source``'s shape on this rank as ``node`` reads it (its required placement on every axis)."""
+    placements = {axis: required.get(source, R) for axis, required in node.meta["required"].items()}
+    return local_shape(source.meta["val"].shape, placements, ctx.mesh)
+
+
+def _scale_partial_means(gm: GraphModule, ctx: PassContext) -> None:
+    """A mean over a sharded dim is this rank's mean of its part: scaled by its share of the elements, the partial
+    values then sum to the whole mean (exact for uneven shards too)."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.mean.dim or not any(isinstance(p, Partial) for p in node.meta["placements"].values()):
+            continue
+        source = node.args[0]
+        shape, local = source.meta["val"].shape, _required_local_shape(node, source, ctx)
+        dims = [d % len(shape) for d in node.args[1]] if len(node.args) > 1 and node.args[1] is not None \
+            else list(range(len(shape)))
+        share = math.prod(local[d] for d in dims) / math.prod(shape[d] for d in dims)
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (node, share))
+        scaled.meta.update(val=node.meta["val"], placements=dict(node.meta["placements"]),
+                           required={axis: {node: p} for axis, p in node.meta["placements"].items()})
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in node.meta:
+                scaled.meta[key] = node.meta[key]
+        for user in users:
+            user.replace_input_with(node, scaled)
+            _rekey(user, node, scaled)
+
+
+def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
+    """rms_norm / layer_norm over a sharded last dim become ``collectives.sharded_*_norm``: the row statistics
+    reduced over the axis, each rank normalising its own features."""
+    for node in gm.graph.nodes:
+        if node.target not in (aten.rms_norm.default, aten.layer_norm.default):
+            continue
+        source, normalized = node.args[0], node.args[1]
+        last = len(source.meta["val"].shape) - 1
+        axes = [axis for axis, required in node.meta["required"].items()
+                if is_sharded(required.get(source, R)) and required[source].dim == last and len(normalized) == 1]
+        if not axes:
+            continue
+        if len(axes) > 1:
+            raise PartitionError(f"{node.name}: a norm over a dim sharded over several axes {axes}")
+        axis, args = axes[0], list(node.args) + [None] * 6
+        if node.target is aten.rms_norm.default:
+            node.target = collectives.sharded_rms_norm
+            node.args = (source, args[2], args[3], normalized[0], ctx.mesh.group_name(axis))
+        else:
+            node.target = collectives.sharded_layer_norm
+            node.args = (source, args[2], args[3], 1e-5 if args[4] is None else args[4], normalized[0],
+                         ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("all_reduce", axis)
+
+
+def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int, attention: Node) -> Node:
+    """``mask`` with its ``dim`` reordered as a packed exchange delivers rows: rank by rank, each rank's part of
+    every block in turn."""
+    pieces, val = [], mask.meta["val"]
+    with graph.inserting_before(attention):
+        for rank in range(ranks):
+            offset = 0
+            for block in blocks:
+                step = block // ranks
+                piece = graph.call_function(aten.slice.Tensor, (mask, dim, offset + rank * step,
+                                                                offset + (rank + 1) * step))
+                _like(piece, mask, val.narrow(dim, offset + rank * step, step))
+                pieces.append(piece)
+                offset += block
+        joined = graph.call_function(aten.cat.default, (pieces, dim))
+    with val.fake_mode:
+        _like(joined, mask, torch.cat([p.meta["val"] for p in pieces], dim))
+    return joined
+
+
+def _like(node: Node, mask: Node, val) -> None:
+    """A rewrite of ``mask`` along dims no axis shards: its placements, reading its inputs as they are."""
+    node.meta["val"] = val
+    node.meta["placements"] = dict(mask.meta["placements"])
+    node.meta["required"] = {axis: {n: n.meta["placements"][axis] for n in node.all_input_nodes}
+                             for axis in mask.meta["placements"]}
+
+
+def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
+    """An attention whose query or key rows came through a packed exchange (a joint sequence, rank by rank) reads
+    its mask in that order too."""
+    for node in list(gm.graph.nodes):
+        if node.target is not _ATTENTION or len(node.all_input_nodes) <= 3:
+            continue
+        q, k = node.args[:2]
+        orders = {-2: q.meta.get("rank_order"), -1: k.meta.get("rank_order")}
+        for mask in [n for n in node.all_input_nodes if n not in node.args[:3]]:
+            for dim, order in orders.items():
+                if order is not None and mask.meta["val"].shape[dim] != 1:
+                    axis, blocks = order
+                    reordered = _rank_order(gm.graph, mask, dim % mask.meta["val"].dim(), blocks,
+                                            ctx.mesh.size(axis), node)
+                    node.replace_input_with(mask, reordered)
+                    _rekey(node, mask, reordered)
+                    mask = reordered
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    _scale_partial_means(gm, ctx)
     _reduce_partials(gm, ctx)
     for axis in ctx.mesh.axis_names:
         redistributed: dict[tuple[Node, str], Node] = {}
@@ -175,6 +283,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
                 node.replace_input_with(producer, redistributed[key])
                 _rekey(node, producer, redistributed[key])
+    _masks_in_rank_order(gm, ctx)
+    _distribute_norms(gm, ctx)
     return gm
 
 

@@ -107,6 +107,9 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
             whole = {s for s in failure.seeds if shape_of(s)[seeds[s]] in joint}
             for seed in (whole if whole and whole != failure.seeds else failure.seeds):
                 failed.setdefault(seed, f"{failure.node.name}: {problem}")
+    parts = {s: r for s, r in failed.items() if shape_of(s)[seeds[s]] not in joint}
+    if parts and len(parts) < len(failed):  # drop failing parts first: a whole joint value may work without them
+        failed = parts
     return swept.decisions, failed
 
 

@@ -52,11 +52,13 @@ def make_sequence_attention(roles, axis: str) -> Callable:
             return attention(node, placements, axis_size)
         masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
         packed = any(isinstance(p, PackedShard) for p in sharded.values())
-        if packed and (masks or placements.get(k) != placements.get(v)):
+        if packed and placements.get(k) != placements.get(v):
             raise Unshardable("a packed sequence (joint text + image rows) reaches the exchange in rank order, "
-                              "so keys and values must be packed alike and no mask may address positions (q, k, "
-                              f"v: {[str(placements.get(n, R)) for n in (q, k, v)]}, {len(masks)} masks)")
+                              "so keys and values must be packed alike (q, k, v: "
+                              f"{[str(placements.get(n, R)) for n in (q, k, v)]})")
         if q in sharded and k not in sharded and v not in sharded:
+            if packed and masks:
+                raise Unshardable("a mask over packed query rows (a joint sequence) kept on their ranks")
             if shape_of(q)[2] < axis_size:
                 raise Unshardable(f"{node.name}: {shape_of(q)[2]} query rows cannot be spread over a {axis} degree "
                                   f"of {axis_size}")
@@ -81,7 +83,8 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         inputs = {q: Shard(1), k: Shard(1), v: Shard(1)}
         inputs.update({mask: _along(mask, 1) for mask in masks})
         # Rows arrive in rank order: a packed (joint) sequence is permuted, the same way for keys and values, which
-        # attention does not see; the output goes back to the queries' own layout by the inverse exchange.
+        # attention does not see (a mask is permuted alike by insert_collectives); the output goes back to the
+        # queries' own layout by the inverse exchange.
         return Decision(Shard(1), inputs, visible=placements[q])
     return sequence_attention
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..placement import is_sharded
+from ..placement import Partial, is_sharded
 from .core import R, Decision, Unshardable, norm_dim, register, same_as_input, shape_of, with_dim
 
 aten = torch.ops.aten
@@ -40,3 +40,54 @@ def norm(node: Node, placements, axis_size: int) -> Decision:
         if placement.dim >= ndim - len(node.args[1]):
             raise Unshardable(f"{node.target.__name__} normalises over the sharded dim {placement.dim}")
     return decision
+
+
+# Ops a projection's output may pass through (cast, squared) before its norm's statistics.
+_ON_THE_WAY = {aten.pow.Tensor_Scalar, aten._to_copy.default, aten.to.dtype, aten.mul.Tensor, aten.square.default}
+
+
+def _projected(node: Node, steps: int = 4) -> bool:
+    """``node`` is a Linear's output, perhaps cast or squared (``x.float().pow(2)``): a column-parallel region whose
+    norm pays one small all_reduce to stay sharded. A norm of anything else (the residual stream after a gated
+    add) is not split: its consumers would turn row-parallel, trading small reductions for large ones."""
+    for _ in range(steps):
+        if node.target is aten.linear.default:
+            return True
+        if node.target not in _ON_THE_WAY or len(set(node.all_input_nodes)) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return False
+
+
+@register(aten.sum.dim_IntList, aten.mean.dim, axis="tensor")
+def tensor_parallel_sum(node: Node, placements, axis_size: int) -> Decision:
+    """sum / mean over the tensor-parallel shard of a projection: each rank reduces its features, the result is a
+    partial sum (a mean is scaled by its share of the features when localized), reduced where it is consumed: a
+    norm written out (``x.pow(2).mean(-1)``) over q/k projections costs one all_reduce of ``[rows, 1]``."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    if is_sharded(placement):
+        ndim = len(shape_of(source))
+        dims = node.args[1] if len(node.args) > 1 else None
+        dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in dims]
+        if placement.dim in dims and _projected(source):
+            return Decision(Partial(), {source: placement})
+    return reduction(node, placements, axis_size)
+
+
+@register(aten.rms_norm.default, aten.layer_norm.default, axis="tensor")
+def tensor_parallel_norm(node: Node, placements, axis_size: int) -> Decision:
+    """rms_norm / layer_norm over a last dim that is column-sharded: each rank normalises its features with the
+    row statistics reduced over the ranks (``collectives.sharded_rms_norm``), its weight and bias sliced alike."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    if not is_sharded(placement) or len(node.args[1]) != 1 or placement.dim != len(shape_of(source)) - 1 \
+            or not _projected(source):
+        return norm(node, placements, axis_size)
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs[source] = placement
+    affine = node.args[2:4] if node.target is aten.layer_norm.default else node.args[2:3]
+    for parameter in affine:
+        if parameter is not None:
+            inputs[parameter] = with_dim(placement, 0)
+    return Decision(placement, inputs)
