@@ -25,12 +25,12 @@ REFUSED = {
     # its attention drops padded prompt rows per call: the attention's size depends on the mask's values
     "mochi": ("PartitionError", "data-dependent number that device ops use"),
 }
-# attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self and joint attention but
-# HunyuanVideo's (joint attention with a text padding mask: a packed sequence reaches the exchange permuted, which
-# a mask would see), Sana's (linear attention is not SDPA; its cross-attention then has no sequence to follow) and
-# H3's text refiner (its own short text sequence, left whole)
+# attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
+# but Sana's (its self-attention is linear attention, not SDPA, so its cross-attention has no sequence to follow)
+# and H3's text refiner (its own short text sequence, left whole)
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
-                    "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 2}
+                    "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 2,
+                    "hunyuan_video": 5}
 
 
 @pytest.fixture(scope="module")

@@ -38,16 +38,17 @@ AXIS = "ulysses"
 R = Replicate()
 
 
-def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True) -> tuple[set[int], set[int]]:
-    """The self-attentions' lengths, and the lengths of the parts a joint sequence is concatenated from (text and
-    image rows of an MMDiT), with the joint lengths among them: each part is offered sharded on its own, so the
+def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
+                      ) -> tuple[set[int], set[int], set[int]]:
+    """All sequence lengths, the lengths of the parts a joint sequence is concatenated from (text and image rows of
+    an MMDiT) that are no attention's own, and the joint lengths: each part is offered sharded on its own, so the
     joint sequence is a packed shard whose blocks split back into the parts without communication."""
     lengths = set()
     for node in attentions:
         q, k = shape_of(node.args[0]), shape_of(node.args[1])
         if len(q) == 4 and q[2] == k[2]:
             lengths.add(q[2])
-    joint = set()
+    joint, own = set(), set(lengths)
     for _ in range(2 if parts else 0):  # a part may itself be concatenated
         for node in gm.graph.nodes:
             if node.target is torch.ops.aten.cat.default and shape_of(node) and len(node.args[0]) > 1:
@@ -57,7 +58,7 @@ def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = Tru
                 if shape_of(node)[dim] in lengths and 0 not in parts and dim != len(shape_of(node)) - 1:
                     joint.add(shape_of(node)[dim])
                     lengths |= parts
-    return lengths, joint
+    return lengths, lengths - own, joint
 
 
 def _ancestors(nodes: list[Node]) -> set[Node]:
@@ -70,15 +71,19 @@ def _ancestors(nodes: list[Node]) -> set[Node]:
     return seen
 
 
-def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], feeds_attention: set[Node]) -> dict:
+def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], parts: set[int],
+                feeds_attention: set[Node]) -> dict:
     """Values offered sharded along their sequence dim: node -> dim."""
     model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     candidates = {}
     for node in feeds_attention - model_tensors:
-        shape = shape_of(node)
-        dims = [d for d, size in enumerate(shape or ()) if size in lengths]
-        if len(dims) == 1:
-            candidates[node] = dims[0]
+        shape = shape_of(node) or ()
+        for tier in (lengths - parts, parts):  # an attention's own length first, then a part of a joint one
+            dims = [d for d, size in enumerate(shape) if size in tier]
+            if dims:
+                if len(dims) == 1:
+                    candidates[node] = dims[0]
+                break
     return candidates
 
 
@@ -121,10 +126,10 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     feeds_attention = _ancestors(attentions) | set(attentions)
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
-    lengths, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
+    lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
     if ctx.mesh.size(AXIS) > 1:
         seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
-                 else _candidates(gm, ctx, lengths, feeds_attention))
+                 else _candidates(gm, ctx, lengths, parts, feeds_attention))
     refused: dict[Node, str] = {}
     while True:
         decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused, joint)
