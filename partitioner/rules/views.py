@@ -186,6 +186,9 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
             node.target is aten.slice.Tensor else None
         if covered:  # whole blocks of a packed layout (the image rows of a joint sequence): this rank's part
             return Decision(blocks_placement(placement, *covered), {source: placement})
+        refined = _refined_blocks(node, placement) if node.target is aten.slice.Tensor else None
+        if refined and all(block % axis_size == 0 for block in refined):
+            raise NeedsPacking(source, refined)  # a fused projection cut by slices: pack it at the cuts
         raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
     out_dim = placement.dim - (node.target is aten.select.int and dim < placement.dim)
     return Decision(with_dim(placement, out_dim), same_as_input(node, placements, source).inputs)
@@ -205,6 +208,22 @@ def block_range(node: Node, placement: PackedShard, dim_arg: int = 1) -> tuple[i
     if step != 1 or start not in offsets or end not in offsets or end <= start:
         return None
     return offsets.index(start), offsets.index(end)
+
+
+def _refined_blocks(node: Node, placement) -> tuple[int, ...] | None:
+    """The blocks that a slice (step 1) along the sharded dim would take whole: the layout's own boundaries and
+    the slice's two ends (``x[..., :n]`` of a fused [gate; value] projection: blocks (n, n))."""
+    size = shape_of(node.args[0])[placement.dim]
+    args = node.args
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    end = args[3] if len(args) > 3 and args[3] is not None else size
+    if (args[4] if len(args) > 4 else 1) != 1:
+        return None
+    start, end = (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
+    blocks = placement.blocks if isinstance(placement, PackedShard) else (size,)
+    cuts = sorted({sum(blocks[:i]) for i in range(len(blocks) + 1)} | {start, end})
+    refined = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
+    return refined if len(refined) > 1 else None
 
 
 def blocks_placement(placement: PackedShard, i: int, j: int):
