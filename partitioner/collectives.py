@@ -47,6 +47,11 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes
     return torch.cat([part.view(shape) for part, shape in zip(parts, shapes)], dim=gather_dim)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Statistics in float32 at least, as torch's kernels compute them for half types."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _sum_over_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return functional.wait_tensor(functional.all_reduce(x, "sum", group_name))
 
@@ -56,8 +61,8 @@ def sharded_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | 
     """``rms_norm`` over a last dim of ``size`` features of which this rank holds a shard (q/k projections normed
     across all heads, as Wan and LTX-Video do): the sum of squares of each row is reduced over the ranks (one
     all_reduce of ``[rows, 1]``), then each rank scales its own features. Statistics in float32, as torch's kernel."""
-    wide = x.float()
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    wide = _wide(x)
+    eps = torch.finfo(wide.dtype).eps if eps is None else eps  # torch's default: the compute dtype's epsilon
     squares = _sum_over_ranks(wide.square().sum(-1, keepdim=True), group_name)
     out = (wide * torch.rsqrt(squares / size + eps)).to(x.dtype)
     return out if weight is None else out * weight
@@ -67,7 +72,7 @@ def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
                        size: int, group_name: str) -> torch.Tensor:
     """``layer_norm`` over a sharded last dim: the mean, then the variance around it, each one all_reduce of
     ``[rows, 1]`` (two passes, as exact as the one-device kernel's)."""
-    wide = x.float()
+    wide = _wide(x)
     mean = _sum_over_ranks(wide.sum(-1, keepdim=True), group_name) / size
     centered = wide - mean
     variance = _sum_over_ranks(centered.square().sum(-1, keepdim=True), group_name) / size

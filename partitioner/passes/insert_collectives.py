@@ -107,8 +107,11 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     into or out of an attention: the gathered rows come in rank order, a permutation of the sequence that attention
     does not see (keys and values permuted alike, checked by its rule), and the exchange back inverts it."""
     packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
-    if packed and _ATTENTION not in (producer.target, consumer.target):
-        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact around an attention")
+    around_attention = (consumer.target is _ATTENTION and producer in consumer.args[:3]) or \
+        producer.target is _ATTENTION
+    if packed and (not around_attention or current.dim == required.dim):
+        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact for an attention's "
+                             "query, key and value and its output")
     args = (producer, required.dim, current.dim, _axis_sizes(producer, required.dim, axis, ctx),
             _axis_sizes(producer, current.dim, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
     with producer.graph.inserting_after(producer):
@@ -136,6 +139,11 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
 
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
+    order = producer.args[0].meta.get("rank_order") if producer.target is _ATTENTION else None
+    if order is not None and order[0] == axis and required != PackedShard(2, order[1]):
+        raise PartitionError(f"{producer.name}: the attention's rows are in rank order (a packed joint sequence) "
+                             f"and {consumer.name} needs them as {required}; only the exchange back to the packed "
+                             "layout restores their order. Partition without this axis, or report the model")
     if current == R and is_sharded(required):
         return _narrow(producer, required, axis, ctx)
     if is_sharded(current) and required == R:
@@ -246,7 +254,7 @@ def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
     """An attention whose query or key rows came through a packed exchange (a joint sequence, rank by rank) reads
     its mask in that order too."""
     for node in list(gm.graph.nodes):
-        if node.target is not _ATTENTION or len(node.all_input_nodes) <= 3:
+        if node.target is not _ATTENTION or all(n in node.args[:3] for n in node.all_input_nodes):
             continue
         q, k = node.args[:2]
         orders = {-2: q.meta.get("rank_order"), -1: k.meta.get("rank_order")}

@@ -127,6 +127,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
     lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
+    small = {size for size in parts if size < ctx.mesh.size(AXIS)}  # (a register token: no rows for some ranks)
+    lengths, parts = lengths - small, parts - small
     if ctx.mesh.size(AXIS) > 1:
         seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
                  else _candidates(gm, ctx, lengths, parts, feeds_attention))
@@ -170,7 +172,7 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         where = info.module if info is not None else node.name
         if decisions[node].output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             ctx.sequence_attention[where] = "sequence-sharded (Ulysses all_to_all)"
-        elif decisions[node].output == Shard(2):  # this rank's query rows over whole keys and values
+        elif getattr(decisions[node].output, "dim", None) == 2:  # this rank's query rows over whole keys, values
             ctx.sequence_attention[where] = "sequence-sharded (query rows; keys and values whole, no communication)"
         elif node in refused:
             ctx.sequence_attention[where] = f"not sequence-sharded: {refused[node]}"

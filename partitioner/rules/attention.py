@@ -52,6 +52,9 @@ def make_sequence_attention(roles, axis: str) -> Callable:
             return attention(node, placements, axis_size)
         masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
         packed = any(isinstance(p, PackedShard) for p in sharded.values())
+        causal = (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
+        if causal and (packed or (q in sharded and k not in sharded)):
+            raise Unshardable("causal attention over rows that are not in sequence order on this rank")
         if packed and placements.get(k) != placements.get(v):
             raise Unshardable("a packed sequence (joint text + image rows) reaches the exchange in rank order, "
                               "so keys and values must be packed alike (q, k, v: "

@@ -83,4 +83,4 @@ def outer(node: Node, placements, axis_size: int) -> Decision:
     if len(sharded) > 1:
         raise Unshardable("outer product of two sharded vectors")
     return Decision(with_dim(sharded[a], 0) if a in sharded else with_dim(sharded[b], 1),
-                    {a: placements.get(a, R), b: placements.get(b, R)})
+                    {n: sharded.get(n, R) for n in (a, b)})  # a partial sum is reduced first
