@@ -71,16 +71,18 @@ def broken_rule(target, rule):
     must find what it breaks)."""
     from ..rules import RULES
 
-    key = ("any", target)
-    saved = RULES.get(key)
-    RULES[key] = rule
+    keys = [(kind, target) for kind in ("any", "tensor", "sequence")]  # it replaces every axis kind's rule
+    saved = {key: RULES.get(key) for key in keys}
+    for key in keys:
+        RULES[key] = rule
     try:
         yield
     finally:
-        if saved is None:
-            del RULES[key]
-        else:
-            RULES[key] = saved
+        for key, previous in saved.items():
+            if previous is None:
+                del RULES[key]
+            else:
+                RULES[key] = previous
 
 
 def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
