@@ -195,33 +195,39 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
 
 
 
+def _slice_bounds(node: Node, size: int, dim_arg: int = 1) -> tuple[int, int] | None:
+    """``[start, end)`` of a slice (or a slice_scatter, ``dim_arg`` 2) along a dim of ``size``, normalised; None
+    for a step other than 1."""
+    args = node.args
+    start = args[dim_arg + 1] if len(args) > dim_arg + 1 and args[dim_arg + 1] is not None else 0
+    end = args[dim_arg + 2] if len(args) > dim_arg + 2 and args[dim_arg + 2] is not None else size
+    if (args[dim_arg + 3] if len(args) > dim_arg + 3 else 1) != 1:
+        return None
+    return (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
+
+
+def _offsets(blocks: tuple[int, ...]) -> list[int]:
+    return [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+
+
 def block_range(node: Node, placement: PackedShard, dim_arg: int = 1) -> tuple[int, int] | None:
     """The blocks ``[i, j)`` of ``placement`` that ``node`` (a slice, or a slice_scatter with ``dim_arg`` 2) covers
     exactly, with step 1; None when it cuts a block."""
-    args = node.args
-    size = sum(placement.blocks)
-    start = args[dim_arg + 1] if len(args) > dim_arg + 1 and args[dim_arg + 1] is not None else 0
-    end = args[dim_arg + 2] if len(args) > dim_arg + 2 and args[dim_arg + 2] is not None else size
-    step = args[dim_arg + 3] if len(args) > dim_arg + 3 else 1
-    start, end = (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
-    offsets = [sum(placement.blocks[:i]) for i in range(len(placement.blocks) + 1)]
-    if step != 1 or start not in offsets or end not in offsets or end <= start:
+    bounds = _slice_bounds(node, sum(placement.blocks), dim_arg)
+    offsets = _offsets(placement.blocks)
+    if bounds is None or bounds[0] not in offsets or bounds[1] not in offsets or bounds[1] <= bounds[0]:
         return None
-    return offsets.index(start), offsets.index(end)
+    return offsets.index(bounds[0]), offsets.index(bounds[1])
 
 
 def _refined_blocks(node: Node, placement) -> tuple[int, ...] | None:
     """The blocks that a slice (step 1) along the sharded dim would take whole: the layout's own boundaries and
     the slice's two ends (``x[..., :n]`` of a fused [gate; value] projection: blocks (n, n))."""
     size = shape_of(node.args[0])[placement.dim]
-    args = node.args
-    start = args[2] if len(args) > 2 and args[2] is not None else 0
-    end = args[3] if len(args) > 3 and args[3] is not None else size
-    if (args[4] if len(args) > 4 else 1) != 1:
+    bounds = _slice_bounds(node, size)
+    if bounds is None:
         return None
-    start, end = (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
-    blocks = placement.blocks if isinstance(placement, PackedShard) else (size,)
-    cuts = sorted({sum(blocks[:i]) for i in range(len(blocks) + 1)} | {start, end})
+    cuts = sorted(set(_offsets(placement.blocks if isinstance(placement, PackedShard) else (size,))) | set(bounds))
     refined = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
     return refined if len(refined) > 1 else None
 
