@@ -5,9 +5,14 @@ A value's placement says how the per-rank tensor relates to the global one along
 - ``Replicate()``: every rank holds the whole tensor.
 - ``Shard(dim)``: rank ``r`` of ``n`` holds the ``r``-th of ``n`` equal slices along ``dim``.
 - ``Partial()``: every rank holds a summand; the global value is the sum over the axis.
-- ``PackedShard(dim, blocks)``: ``dim`` is the concatenation of blocks of the given global sizes (a fused
-  ``[value; gate]`` projection, or ``cat([attn, mlp])``); each block is sharded on its own and rank ``r`` holds the
-  concatenation of its slices of every block. With one block it is exactly ``Shard(dim)``.
+- ``PackedShard(dim, blocks, unit)``: ``dim`` is the concatenation of blocks of the given global sizes (a fused
+  ``[value; gate]`` projection, or ``cat([attn, mlp])``); each block is sharded on its own, in whole ``unit``s (a
+  head's ``head_dim`` features, so that heads split whole), and rank ``r`` holds the concatenation of its slices of
+  every block. With one block and ``unit`` 1 it is exactly ``Shard(dim)``; ``packed_shard`` builds the simplest
+  form.
+
+Shards need not be even: ``n`` ranks split ``k`` units as ``shard_sizes`` says, the first ``k % n`` ranks one unit
+larger (56 heads over 16 ranks: 8 ranks with 4 heads, 8 with 3).
 
 Placements are stored per mesh axis name in ``node.meta["placements"]`` (a ``dict[str, Placement]``).
 """
@@ -21,16 +26,35 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from .errors import PartitionError
 
-__all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "local_shape", "shard_slices", "shorthand"]
+__all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "local_shape", "packed_shard", "shard_slices",
+           "shard_widths", "shorthand", "unit_of"]
 
 
 @dataclass(frozen=True)
 class PackedShard:
     dim: int
     blocks: tuple[int, ...]
+    unit: int = 1  # each block splits into whole units of this many elements
 
     def __repr__(self) -> str:
-        return f"PackedShard({self.dim}, {list(self.blocks)})"
+        unit = f", unit={self.unit}" if self.unit != 1 else ""
+        return f"PackedShard({self.dim}, {list(self.blocks)}{unit})"
+
+
+def packed_shard(dim: int, blocks, unit: int, num: int):
+    """The simplest placement that splits ``dim`` (blocks of the given sizes, each in whole ``unit``s) over ``num``
+    ranks: the unit is dropped when every block splits evenly anyway, and one block of unit 1 is a plain shard."""
+    blocks = tuple(blocks)
+    if any(block % unit for block in blocks):
+        raise PartitionError(f"blocks {list(blocks)} are not whole units of {unit}")
+    if all(block // unit % num == 0 for block in blocks):
+        unit = 1
+    return Shard(dim) if len(blocks) == 1 and unit == 1 else PackedShard(dim, blocks, unit)
+
+
+def unit_of(placement) -> int:
+    """The granule a shard splits in (1 for a plain shard)."""
+    return placement.unit if isinstance(placement, PackedShard) else 1
 
 
 def is_sharded(placement) -> bool:
@@ -57,20 +81,25 @@ def shard_range(size: int, num: int, index: int) -> tuple[int, int]:
 
 
 def shard_slices(placement, size: int, num: int, index: int) -> list[tuple[int, int]]:
-    """The ``[start, end)`` ranges of a dimension of ``size`` that rank ``index`` of ``num`` holds. A plain shard
-    may be uneven; each block of a packed shard must split evenly (it is a weight's fused halves)."""
+    """The ``[start, end)`` ranges of a dimension of ``size`` that rank ``index`` of ``num`` holds: one range of
+    a plain shard, one per block of a packed shard (each block split in whole units, as evenly as can be)."""
     if not isinstance(placement, PackedShard):
         return [shard_range(size, num, index)]
     if sum(placement.blocks) != size:
         raise PartitionError(f"packed blocks {list(placement.blocks)} do not add up to the dimension size {size}")
-    ranges, offset = [], 0
+    ranges, offset, unit = [], 0, placement.unit
     for block in placement.blocks:
-        if block % num:
-            raise PartitionError(f"a block of size {block} does not split evenly over {num} ranks")
-        step = block // num
-        ranges.append((offset + index * step, offset + (index + 1) * step))
+        if block % unit:
+            raise PartitionError(f"a block of size {block} is not whole units of {unit}")
+        start, end = shard_range(block // unit, num, index)
+        ranges.append((offset + start * unit, offset + end * unit))
         offset += block
     return ranges
+
+
+def shard_widths(placement, size: int, num: int) -> list[int]:
+    """How many elements of a dim of ``size`` each of ``num`` ranks holds."""
+    return [sum(end - start for start, end in shard_slices(placement, size, num, index)) for index in range(num)]
 
 
 def local_shape(shape, placements: dict, mesh, upto: str | None = None) -> list[int]:
@@ -100,7 +129,7 @@ def slice_local(tensor: torch.Tensor, placement, num: int, index: int) -> torch.
 
 
 def shorthand(placement) -> str:
-    """Compact form used in dumps: R, S(2), P, S(2)[96,96]."""
+    """Compact form used in dumps: R, S(2), P, S(2)[96,96], S(2)[7168]/128 (in whole units of 128)."""
     if isinstance(placement, Replicate):
         return "R"
     if isinstance(placement, Partial):
@@ -108,5 +137,6 @@ def shorthand(placement) -> str:
     if isinstance(placement, Shard):
         return f"S({placement.dim})"
     if isinstance(placement, PackedShard):
-        return f"S({placement.dim}){list(placement.blocks)}"
+        unit = f"/{placement.unit}" if placement.unit != 1 else ""
+        return f"S({placement.dim}){list(placement.blocks)}{unit}"
     return str(placement)

@@ -3,7 +3,7 @@ consumers see.
 
 A planner offers some values sharded ("seeds": column-wise Linears for tp, sequence-long values for ulysses). The
 sweep follows each seed's sharding through the values that carry it, so that when a rule refuses a sharded input
-(``Unshardable``, or ``NeedsPacking`` for a split that needs a packed producer) the failure names the seeds that led
+(``Unshardable``, or ``NeedsPacking`` / ``NeedsUnit`` for a split that needs a producer laid out otherwise) the failure names the seeds that led
 there; the refusing node falls back to replicating its inputs. The planner then drops (or packs, or gathers) those
 seeds and sweeps again, until no failure is left: a fixpoint, since every round only removes shardings.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 from torch.fx import GraphModule, Node
 
 from .placement import Partial, Replicate, any_sharded
-from .rules import Decision, NeedsPacking, Unshardable, replicate_all
+from .rules import Decision, NeedsPacking, NeedsUnit, Unshardable, replicate_all
 
 R = Replicate()
 
@@ -24,7 +24,7 @@ R = Replicate()
 @dataclass(frozen=True)
 class Failure:
     node: Node  # where a rule refused
-    problem: Exception  # Unshardable or NeedsPacking
+    problem: Exception  # Unshardable, NeedsPacking or NeedsUnit
     seeds: frozenset  # the seeds whose sharding reached it
 
 
@@ -48,7 +48,7 @@ def sweep(gm: GraphModule, rule_of: Callable[[Node], Callable], degree: int, *,
         else:
             try:
                 decision = rule_of(node)(node, result.visible, degree)
-            except (Unshardable, NeedsPacking) as problem:
+            except (Unshardable, NeedsPacking, NeedsUnit) as problem:
                 seeds = frozenset().union(*(provenance.get(n, frozenset()) for n in node.all_input_nodes))
                 result.failures.append(Failure(node, problem, seeds))
                 decision = replicate_all(node, result.visible)

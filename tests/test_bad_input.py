@@ -102,19 +102,21 @@ def test_mesh_of_wrong_type(h3):
 
 # --- the model and its heads -----------------------------------------------------------------------------------
 
-def test_tp_degree_not_dividing_heads(h3):
-    """tp=3 on 4 heads is a PartitionError naming the attention, 4 heads and degree 3."""
+def test_tp_degree_above_heads(h3):
+    """tp=6 on 4 heads is a PartitionError naming the attention, 4 heads, degree 6, the largest degree (4) and
+    meshes that use the other devices (tp=3 divides 6)."""
     with pytest.raises(PartitionError) as error:
-        partition(h3[0], {"tp": 3}, ((), h3[1]))
+        partition(h3[0], {"tp": 6}, ((), h3[1]))
     message = str(error.value)
     assert ".attn:" in message
-    assert "4 attention heads" in message and "degree of 3" in message
+    assert "4 attention heads" in message and "degree of 6" in message and "largest tp degree is 4" in message
+    assert "{'tp': 3, 'ulysses': 2}" in message and "{'tp': 3, 'dp': 2}" in message
 
 
 def test_tp_degree_error_names_attention_module_exactly(h3):
     """The head-count error names the attention module itself (the first the planner meets)."""
     with pytest.raises(PartitionError, match=r"^[\w.]+\.attn: 4 attention heads") as error:
-        partition(h3[0], {"tp": 3}, ((), h3[1]))
+        partition(h3[0], {"tp": 5}, ((), h3[1]))
     module = str(error.value).split(":")[0]
     assert isinstance(h3[0].get_submodule(module), torch.nn.Module)
 

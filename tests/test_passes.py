@@ -185,10 +185,21 @@ def test_annotate_heads_preserves_the_function(old_style):
     torch.testing.assert_close(out, model(**kwargs))
 
 
-def test_heads_not_divisible_by_degree_raise():
-    """A tp degree that does not divide the head count is a PartitionError naming the attention."""
-    with pytest.raises(PartitionError, match="3 attention heads"):
-        part(Attention(dim=48, heads=3), {"x": torch.randn(1, 5, 48)})
+@pytest.mark.parametrize("old_style", [False, True])
+def test_heads_not_divisible_by_degree_split_whole(old_style):
+    """3 heads of 16 over tp=2: rank 0 holds 2 heads, rank 1 one; the q/k/v weights are cut at head boundaries."""
+    for rank, heads in ((0, 2), (1, 1)):
+        p = part(Attention(dim=48, heads=3, old_style=old_style), {"x": torch.randn(1, 5, 48)}, rank=rank)
+        assert p.linear_styles["to_q"] == "colwise uneven 16-32 in units of 16"
+        assert p.slice_specs["to_q.weight"] == {"tp": PackedShard(0, (48,), 16)}
+        (attention,) = nodes(p.graph_module, aten.scaled_dot_product_attention.default)
+        assert attention.meta["val"].shape[1] == heads
+
+
+def test_tp_degree_above_heads_raises():
+    """More tp ranks than heads: a PartitionError naming the attention, the largest degree and other meshes."""
+    with pytest.raises(PartitionError, match=r"3 attention heads .* largest tp degree is 3.*'tp': 2, 'ulysses': 2"):
+        partitioner.partition(Attention(dim=48, heads=3).eval(), {"tp": 4}, ((), {"x": torch.randn(1, 5, 48)}))
 
 
 # --- 2. plan_sharding --------------------------------------------------------------------------------------------
@@ -418,25 +429,37 @@ def test_slice_local_matches_chunk_per_block(num, data):
         assert torch.equal(slice_local(tensor, PackedShard(dim, blocks), num, index), expected)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 4), min_size=1, max_size=4),
-       st.integers(2, 3), st.data())
-def test_view_shard_dim_against_brute_force(a, b, degree, data):
-    """Whenever a view carries a sharded dim (even or uneven) to an output dim, every rank's elements are exactly
-    its slice of that output dim: checked element by element on an arange."""
-    from partitioner.placement import shard_range
-    from partitioner.rules import Unshardable, view_shard_dim as _view_shard_dim
+       st.integers(2, 3), st.booleans(), st.data())
+def test_view_placement_against_brute_force(a, b, degree, units, data):
+    """Whenever a view carries a sharded dim (even, uneven, or in whole units) to an output placement, every
+    rank's elements are exactly its slices of the output: checked element by element on an arange. A request for
+    coarser units (NeedsUnit) is honoured by the next try."""
+    from partitioner.placement import packed_shard
+    from partitioner.rules import NeedsUnit, Unshardable, view_placement
 
     in_shape, out_shape = a + [math.prod(b)], b + [math.prod(a)]
     dim = data.draw(st.integers(0, len(in_shape) - 1))
+    unit = data.draw(st.sampled_from([u for u in range(1, in_shape[dim] + 1) if in_shape[dim] % u == 0]))
+    if in_shape[dim] // unit < degree:
+        return
+    placement = packed_shard(dim, (in_shape[dim],), unit, degree)
     try:
-        out_dim = _view_shard_dim(in_shape, out_shape, dim, degree)
+        out = view_placement(placement, in_shape, out_shape, degree, units=units)
+    except NeedsUnit as request:
+        assert units and request.unit % unit == 0 and request.unit > unit
+        if in_shape[dim] % request.unit or in_shape[dim] // request.unit < degree:
+            return
+        placement = packed_shard(dim, (in_shape[dim],), request.unit, degree)
+        out = view_placement(placement, in_shape, out_shape, degree, units=units)
     except Unshardable:
         return
+    if not units:
+        assert isinstance(out, Shard)
     values = torch.arange(math.prod(in_shape)).reshape(in_shape)
     viewed = values.reshape(out_shape)
     for rank in range(degree):
-        start, end = shard_range(in_shape[dim], degree, rank)
-        held = values.narrow(dim, start, end - start)
-        start, end = shard_range(out_shape[out_dim], degree, rank)
-        assert torch.equal(held.reshape(-1).sort().values, viewed.narrow(out_dim, start, end - start).reshape(-1).sort().values)
+        held = slice_local(values, placement, degree, rank)
+        assert torch.equal(held.reshape(-1).sort().values,
+                           slice_local(viewed, out, degree, rank).reshape(-1).sort().values)

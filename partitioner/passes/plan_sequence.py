@@ -32,7 +32,7 @@ from ..context import PassContext
 from ..placement import Replicate, Shard, any_sharded
 from ..propagate import sweep
 from ..errors import InvariantError, PartitionError, PartitionWarning
-from ..rules import Decision, NeedsPacking, Unshardable, rule_for, shape_of
+from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 
 AXIS = "ulysses"
 R = Replicate()
@@ -105,6 +105,8 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
         problem = failure.problem
         if isinstance(problem, NeedsPacking):  # sequence shards are never packed
             problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
+        if isinstance(problem, NeedsUnit):  # nor split in units
+            problem = Unshardable(f"regrouped in units of {problem.unit} rows along the sharded sequence")
         if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
             refused[failure.node] = str(problem)
         if failure.node in feeds_attention:

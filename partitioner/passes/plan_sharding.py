@@ -33,10 +33,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
-from ..placement import Partial, Replicate, any_sharded, is_sharded
+from ..placement import Partial, Replicate, any_sharded, is_sharded, shard_widths, unit_of
 from ..errors import InvariantError, PartitionError
 from ..propagate import sweep
-from ..rules import Decision, LinearRoles, NeedsPacking, rule_for, shape_of
+from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
 
 AXIS = "tp"
 STYLES = ("colwise", "rowwise", "replicate")
@@ -53,6 +53,7 @@ class _Propagation:
     failed: dict[Node, str] = field(default_factory=dict)  # seed -> why its column sharding was dropped
     failed_forced: set[Node] = field(default_factory=set)  # user-forced column shards that must be gathered
     packing: dict[Node, tuple[int, ...]] = field(default_factory=dict)
+    units: dict[Node, int] = field(default_factory=dict)  # seed -> the coarser unit its sharding must split in
 
 
 def _linear_path(linear: Node, fqns: dict[Node, str]) -> str:
@@ -95,6 +96,8 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
         droppable = failure.seeds - roles.forced
         if isinstance(failure.problem, NeedsPacking) and len(failure.seeds) == 1 and droppable:
             result.packing[next(iter(failure.seeds))] = failure.problem.blocks
+        elif isinstance(failure.problem, NeedsUnit) and _coarser(failure.seeds, failure.problem.unit, roles, result):
+            pass  # the seeds split in whole units next round (a unit they already have would fail again)
         else:
             for seed in droppable:
                 result.failed.setdefault(seed, f"{failure.node.name}: {failure.problem}")
@@ -102,10 +105,21 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
     return result
 
 
+def _coarser(seeds, unit: int, roles: LinearRoles, result: _Propagation) -> bool:
+    """Ask ``seeds`` to split in multiples of ``unit``; False when none of them would change."""
+    changed = False
+    for seed in seeds:
+        current = result.units.get(seed, roles.units.get(seed, 1))
+        if math.lcm(current, unit) != current:
+            result.units[seed] = math.lcm(current, unit)
+            changed = True
+    return changed
+
+
 def _cheap_rowwise(linear: Node, degree: int) -> bool:
     x_shape, w_shape = shape_of(linear.args[0]), shape_of(linear.args[1])
     rows, in_features = math.prod(x_shape[:-1]), w_shape[1]
-    return rows * ROWWISE_INPUT_RATIO <= in_features and in_features % degree == 0
+    return rows * ROWWISE_INPUT_RATIO <= in_features and in_features >= degree  # uneven features split too
 
 
 def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements) -> None:
@@ -119,12 +133,16 @@ def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decisi
             placements[node] = next(iter(wanted.values()))
 
 
-def _style(linear: Node, decision: Decision, roles: LinearRoles) -> str:
+def _style(linear: Node, decision: Decision, roles: LinearRoles, degree: int) -> str:
     if isinstance(decision.output, Partial):
         return "rowwise"
     if is_sharded(decision.output) and linear in roles.colwise:
         blocks = roles.packed.get(linear)
-        return f"colwise packed {list(blocks)}" if blocks else "colwise"
+        style = f"colwise packed {list(blocks)}" if blocks else "colwise"
+        widths = set(shard_widths(decision.output, shape_of(linear)[-1], degree))
+        unit = unit_of(decision.output)
+        return style + (f" uneven {min(widths)}-{max(widths)}" if len(widths) > 1 else "") + \
+            (f" in units of {unit}" if unit > 1 else "")
     return "replicate"
 
 
@@ -148,9 +166,10 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             roles.colwise -= set(sweep.failed)
             new_packing = {n: b for n, b in sweep.packing.items() if roles.packed.get(n) != b}
             roles.packed.update(new_packing)
+            roles.units.update(sweep.units)
             new_gathered = sweep.failed_forced - gathered
             gathered |= new_gathered
-            if not (sweep.failed or new_packing or new_gathered):
+            if not (sweep.failed or new_packing or sweep.units or new_gathered):
                 break
         for linear in linears:
             if (linear not in forced and sweep.decisions[linear].output == R
@@ -163,7 +182,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta["placements"] = {AXIS: sweep.placements.get(node)}
         node.meta["required"] = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
     for linear in linears:
-        style = _style(linear, sweep.decisions[linear], roles) + (" gathered" if linear in gathered else "")
+        style = _style(linear, sweep.decisions[linear], roles, degree) + (" gathered" if linear in gathered else "")
         ctx.linear_styles[paths[linear]] = style
         if linear in reasons:
             ctx.replicated_because[paths[linear]] = reasons[linear]

@@ -5,7 +5,9 @@ A rule sees a node and the placement each of its inputs currently has (``placeme
 see, along one mesh axis of ``axis_size`` ranks) and returns a ``Decision``: the placement of the node's output and
 the placement each input must have. An input whose placement differs from the one required is redistributed by
 ``insert_collectives``. A rule raises ``Unshardable`` when a sharded input cannot be carried through the op; the
-planner then gives up the sharding that led there (or gathers it first, for a sharding the user forced).
+planner then gives up the sharding that led there (or gathers it first, for a sharding the user forced). It raises
+``NeedsPacking`` or ``NeedsUnit`` when the op could carry the value if its producer split it differently (at the
+cuts of a split, in whole heads); the planner asks the producer for that layout and sweeps again.
 
 Rules are registered beside their definitions with ``@register(op, ...)``, for every mesh axis or for one kind of
 axis: "tensor" (tp: Linear features split) or "sequence" (ulysses: rows split). Some rules depend on the planner's
@@ -18,7 +20,7 @@ carried: ``trace`` functionalizes graphs that have such ops.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -40,6 +42,14 @@ class NeedsPacking(Exception):
     """A value sharded as one block is split into ``blocks`` along its sharded dim: its producer must be packed."""
     node: Node
     blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NeedsUnit(Exception):
+    """A value sharded in pieces that would cut a group an op keeps whole (a head reshape would split a head): the
+    producer must shard in whole ``unit``s."""
+    node: Node
+    unit: int
 
 
 @dataclass
@@ -64,6 +74,7 @@ class LinearRoles:
     replicate: set[Node] = field(default_factory=set)
     forced: set[Node] = field(default_factory=set)  # chosen by the user: never silently changed
     packed: dict[Node, tuple[int, ...]] = field(default_factory=dict)
+    units: dict[Node, int] = field(default_factory=dict)  # column shards split in whole units (heads)
 
 
 Rule = Callable[[Node, dict, int], Decision]
@@ -117,9 +128,9 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 
 def with_dim(placement, dim: int):
-    """``placement`` moved to ``dim`` (a packed shard keeps its blocks)."""
+    """``placement`` moved to ``dim`` (a packed shard keeps its blocks and unit)."""
     if isinstance(placement, PackedShard):
-        return PackedShard(dim, placement.blocks)
+        return replace(placement, dim=dim)
     return Shard(dim)
 
 

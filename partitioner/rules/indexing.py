@@ -40,14 +40,14 @@ def index_copy(node: Node, placements, axis_size: int) -> Decision:
 
 
 
-def _scatter_into_blocks(node: Node, placements, sharded: dict, dim: int) -> Decision:
+def _scatter_into_blocks(node: Node, placements, sharded: dict, dim: int, axis_size: int) -> Decision:
     """slice_scatter into whole blocks of a packed layout (a joint sequence whose image rows get their rotary
     embedding in place: ``q[:, :, text:] = rotate(q[:, :, text:])``): each rank writes its part of those blocks."""
     target, src = node.args[0], node.args[1]
     placement = placements.get(target, R)
     covered = block_range(node, placement, dim_arg=2) if node.target is aten.slice_scatter.default and \
         isinstance(placement, PackedShard) and placement.dim == dim else None
-    if covered is None or placements.get(src, R) != blocks_placement(placement, *covered):
+    if covered is None or placements.get(src, R) != blocks_placement(placement, *covered, axis_size):
         raise Unshardable(f"{node.target.__name__} of a packed value, not into whole blocks laid out alike")
     return Decision(placement, {target: placement, src: placements[src]})
 
@@ -64,7 +64,7 @@ def scatter_into(node: Node, placements, axis_size: int) -> Decision:
     if not sharded:
         return Decision(R, inputs)
     if any(isinstance(p, PackedShard) for p in sharded.values()):
-        return _scatter_into_blocks(node, placements, sharded, dim)
+        return _scatter_into_blocks(node, placements, sharded, dim, axis_size)
     selected = node.target is aten.select_scatter.default  # src lacks ``dim``
     as_target = {target: placements.get(target, R)} if target in sharded else {}
     if src in sharded:

@@ -8,9 +8,9 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from ..placement import PackedShard, Partial, Shard, is_sharded
+from ..placement import Partial, Shard, is_sharded, packed_shard
 from .core import R, Decision, LinearRoles, Unshardable, register, register_factory, shape_of, with_dim
-from .views import heads_do_not_split
+from .views import too_few_heads
 
 aten = torch.ops.aten
 
@@ -19,7 +19,8 @@ aten = torch.ops.aten
 def make_linear_rule(roles: LinearRoles, axis: str | None = None) -> Callable:
     def linear(node: Node, placements, axis_size: int) -> Decision:
         """y = x W^T + b. Sharded features in -> row-wise (W split on dim 1, output Partial). Replicated in ->
-        column-wise if planned (W split on dim 0), row-wise if planned (x sliced locally), else replicated.
+        column-wise if planned (W split on dim 0, unevenly if need be, in the planned units: whole heads),
+        row-wise if planned (x sliced locally), else replicated.
         Sharded rows (any other dim of x) pass through with a replicated weight."""
         x, weight = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
@@ -40,12 +41,13 @@ def make_linear_rule(roles: LinearRoles, axis: str | None = None) -> Callable:
         if is_sharded(px):  # rows sharded (sequence parallel): each rank applies the whole weight to its rows
             return Decision(px, inputs)
         if node in roles.colwise:
-            out_features = shape_of(weight)[0]
-            if out_features % axis_size:
-                heads_do_not_split(node, axis_size)
-                raise Unshardable(f"{out_features} output features do not split over {axis_size} ranks")
-            blocks = roles.packed.get(node)
-            placement = PackedShard(0, blocks) if blocks else Shard(0)
+            too_few_heads(node, axis_size)
+            blocks = roles.packed.get(node) or (shape_of(weight)[0],)
+            unit = roles.units.get(node, 1)
+            if any(block // unit < axis_size for block in blocks):
+                raise Unshardable(f"output features {list(blocks)} in units of {unit} leave some of the "
+                                  f"{axis_size} ranks nothing")
+            placement = packed_shard(0, blocks, unit, axis_size)
             inputs[weight] = placement
             if bias is not None:
                 inputs[bias] = placement

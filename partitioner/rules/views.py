@@ -4,14 +4,15 @@ stack. A shard follows its dim; an op that mixes the sharded dim with another, o
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch.fx import Node
 
 from ..errors import PartitionError
-from ..placement import PackedShard, Shard, is_sharded
-from .core import (R, Decision, NeedsPacking, Unshardable, norm_dim, register, replicate_all, same_as_input, shape_of,
+from ..placement import PackedShard, Shard, is_sharded, packed_shard, unit_of
+from .core import (R, Decision, NeedsPacking, NeedsUnit, Unshardable, norm_dim, register, replicate_all, same_as_input, shape_of,
                    sharded_inputs, with_dim)
 
 aten = torch.ops.aten
@@ -47,17 +48,34 @@ def view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-def heads_do_not_split(node: Node, axis_size: int) -> None:
-    """A head reshape or projection (annotated by annotate_heads) that does not split evenly is a user error:
-    tensor parallelism needs whole heads on every rank."""
+def too_few_heads(node: Node, axis_size: int) -> None:
+    """A head reshape or projection (annotated by annotate_heads) with fewer heads than ranks is a user error:
+    tensor parallelism gives every rank whole heads (unevenly if need be), and a rank cannot hold none."""
     heads = node.meta.get("heads")
-    if heads is not None:
-        raise PartitionError(f"{heads.module}: {heads.heads} attention heads cannot be split evenly over a tp "
-                             f"degree of {axis_size}; use a degree that divides {heads.heads}")
+    if heads is not None and heads.heads < axis_size and heads.role not in ("k", "v"):
+        raise PartitionError(
+            f"{heads.module}: {heads.heads} attention heads cannot be spread over a tp degree of {axis_size}; the "
+            f"largest tp degree is {heads.heads}. Give the other devices to another axis instead, e.g. "
+            f"{_alternatives(heads.heads, axis_size)}")
 
 
-def view_shard_dim(in_shape, out_shape, dim: int, axis_size: int) -> int:
-    """The output dim a view carries input dim ``dim``'s sharding to, or Unshardable."""
+def _alternatives(heads: int, devices: int) -> str:
+    tp = max(d for d in range(1, heads + 1) if devices % d == 0)
+    return " or ".join(f"{{'tp': {tp}, '{axis}': {devices // tp}}}" for axis in ("ulysses", "dp"))
+
+
+def view_placement(placement, in_shape, out_shape, axis_size: int, *, units: bool, source: Node | None = None):
+    """The placement a view (reshape) of ``in_shape`` into ``out_shape`` gives a sharded input: Unshardable, or
+    ``NeedsUnit`` (naming ``source``) when whole units would carry it."""
+    group_in, lead_out, group_out = _view_group(in_shape, out_shape, placement.dim)
+    if _passes_through(in_shape, out_shape, placement.dim) and in_shape[placement.dim] == out_shape[lead_out]:
+        return with_dim(placement, lead_out)
+    return regroup(placement, source, in_shape, out_shape, group_in, lead_out, group_out, axis_size, units)
+
+
+def _view_group(in_shape, out_shape, dim: int) -> tuple[list[int], int, list[int]]:
+    """The input dims a view merges with ``dim`` (which must lead them), the output dim that takes its sharding,
+    and the output dims it splits into."""
     for gi, gj in view_groups(in_shape, out_shape):
         if dim not in gi:
             continue
@@ -66,53 +84,88 @@ def view_shard_dim(in_shape, out_shape, dim: int, axis_size: int) -> int:
         if dim != lead_in or lead_out is None:
             raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} mixes the sharded dim {dim} "
                               "with another dim")
-        # a dim passed through unchanged may split unevenly; one merged or split with others must split evenly
-        passthrough = [d for d in gi if in_shape[d] != 1] == [dim] and in_shape[dim] == out_shape[lead_out] \
-            and [d for d in gj if out_shape[d] != 1] == [lead_out]
-        if not passthrough and (in_shape[dim] % axis_size or out_shape[lead_out] % axis_size):
-            raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} regroups the sharded dim {dim}, "
-                              f"whose size does not split evenly over {axis_size}")
-        return lead_out
+        return gi, lead_out, gj
     raise Unshardable(f"dim {dim} not found in view {list(in_shape)} -> {list(out_shape)}")
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+def regroup(placement, source: Node, in_shape, out_shape, group_in, lead_out: int, group_out, axis_size: int,
+            units: bool):
+    """The placement a view gives a shard whose dim leads a group of input dims (``group_in``) that the view turns
+    into ``group_out`` (its sharded dim ``lead_out``): heads merged into features, features split into heads.
+
+    Rank boundaries fall at multiples of the shard's unit (of the whole shard when it splits evenly); in the
+    flattened group that is a stride of ``unit * inner`` elements, ``inner`` being the dims after the sharded
+    one. The output dim takes those boundaries only if they fall on whole rows of its own inner dims; else the
+    producer must shard in coarser units (``NeedsUnit``: whole heads before a head split). Without ``units`` (the
+    sequence axes, whose exchanges assume plain shards) only even splits regroup."""
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable("a packed value cannot be reshaped along its packed dim")
+    dim, size = placement.dim, in_shape[placement.dim]
+    unit = unit_of(placement)
+    even = size // unit % axis_size == 0
+    if even:
+        unit = size // axis_size  # every boundary is a multiple of the whole shard
+    inner_in = math.prod(in_shape[d] for d in group_in if d > dim)
+    inner_out = math.prod(out_shape[d] for d in group_out if d > lead_out)
+    stride = unit * inner_in
+    if not units and not (even and stride % inner_out == 0 and out_shape[lead_out] % axis_size == 0):
+        raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} regroups the sharded dim {dim}, "
+                          f"whose size does not split evenly over {axis_size}")
+    if stride % inner_out:
+        needed = math.lcm(unit_of(placement), inner_out // math.gcd(inner_in, inner_out))
+        raise NeedsUnit(source, needed)
+    if out_shape[lead_out] // (stride // inner_out) < axis_size:
+        raise Unshardable(f"the view {list(in_shape)} -> {list(out_shape)} leaves {out_shape[lead_out]} rows of "
+                          f"dim {lead_out} in {out_shape[lead_out] // (stride // inner_out)} pieces, fewer than "
+                          f"the {axis_size} ranks")
+    return packed_shard(lead_out, (out_shape[lead_out],), stride // inner_out, axis_size)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
           aten.flatten.using_ints)
-def view(node: Node, placements, axis_size: int) -> Decision:
+
+
+@register(*_VIEWS)
+def view(node: Node, placements, axis_size: int, units: bool = False) -> Decision:
+    """A view, reshape, unflatten or flatten: the shard follows its dim (see ``regroup`` when the dim is merged
+    with others or split)."""
     source = node.args[0]
     placement = placements.get(source, R)
     if not is_sharded(placement):
         return same_as_input(node, placements, source)
     in_shape, out_shape = shape_of(source), shape_of(node)
+    sharded = placement.dim
     if node.target is aten.unflatten.int:
         dim = norm_dim(node.args[1], len(in_shape))
         count = len(node.args[2])
-        if placement.dim < dim:
-            out_dim = placement.dim
-        elif placement.dim > dim:
-            out_dim = placement.dim + count - 1
-        else:
-            out_dim = dim
-            if out_shape[dim] % axis_size:
-                heads_do_not_split(node, axis_size)
-                raise Unshardable(f"unflatten to {list(out_shape)} does not split over {axis_size} ranks")
+        if sharded != dim:
+            return Decision(with_dim(placement, sharded + (count - 1) * (sharded > dim)), {source: placement})
+        group_in, group_out = [dim], list(range(dim, dim + count))
+        lead_out = next((d for d in group_out if out_shape[d] != 1), dim)
     elif node.target is aten.flatten.using_ints:
         start, end = (norm_dim(d, len(in_shape)) for d in (list(node.args[1:3]) + [0, -1][len(node.args) - 1:]))
-        if placement.dim < start:
-            out_dim = placement.dim
-        elif placement.dim > end:
-            out_dim = placement.dim - (end - start)
-        elif placement.dim == start and (end == start or in_shape[start] % axis_size == 0):
-            out_dim = start
-        else:
-            raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {placement.dim}")
+        if not start <= sharded <= end:
+            return Decision(with_dim(placement, sharded - (end - start) * (sharded > end)), {source: placement})
+        group_in, lead_out, group_out = list(range(start, end + 1)), start, [start]
+        if any(in_shape[d] != 1 for d in range(start, sharded)):
+            raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {sharded} with the dims before it")
     else:
-        out_dim = view_shard_dim(in_shape, out_shape, placement.dim, axis_size)
-    if isinstance(placement, PackedShard):  # its blocks survive only a dim passed through whole
-        if in_shape[placement.dim] != out_shape[out_dim] or not _passes_through(in_shape, out_shape, placement.dim):
-            raise Unshardable("a packed value cannot be reshaped along its packed dim")
-        return Decision(PackedShard(out_dim, placement.blocks), {source: placement})
-    return Decision(Shard(out_dim), {source: placement})
+        if units:
+            too_few_heads(node, axis_size)
+        return Decision(view_placement(placement, in_shape, out_shape, axis_size, units=units, source=source),
+                        {source: placement})
+    if _passes_through(in_shape, out_shape, sharded) and in_shape[sharded] == out_shape[lead_out]:
+        return Decision(with_dim(placement, lead_out), {source: placement})
+    if units:
+        too_few_heads(node, axis_size)
+    out = regroup(placement, source, in_shape, out_shape, group_in, lead_out, group_out, axis_size, units)
+    return Decision(out, {source: placement})
+
+
+@register(*_VIEWS, axis="tensor")
+def tensor_view(node: Node, placements, axis_size: int) -> Decision:
+    """Over a tensor axis a view may split in whole units (a head reshape of features split by whole heads)."""
+    return view(node, placements, axis_size, units=True)
 
 
 def _passes_through(in_shape, out_shape, dim: int) -> bool:
@@ -185,9 +238,9 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
         covered = block_range(node, placement) if isinstance(placement, PackedShard) and \
             node.target is aten.slice.Tensor else None
         if covered:  # whole blocks of a packed layout (the image rows of a joint sequence): this rank's part
-            return Decision(blocks_placement(placement, *covered), {source: placement})
+            return Decision(blocks_placement(placement, *covered, axis_size), {source: placement})
         refined = _refined_blocks(node, placement) if node.target is aten.slice.Tensor else None
-        if refined and all(block % axis_size == 0 for block in refined):
+        if refined and _splits(refined, unit_of(placement), axis_size):
             raise NeedsPacking(source, refined)  # a fused projection cut by slices: pack it at the cuts
         raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
     out_dim = placement.dim - (node.target is aten.select.int and dim < placement.dim)
@@ -232,9 +285,14 @@ def _refined_blocks(node: Node, placement) -> tuple[int, ...] | None:
     return refined if len(refined) > 1 else None
 
 
-def blocks_placement(placement: PackedShard, i: int, j: int):
-    """Blocks ``[i, j)`` of a packed layout: a plain shard for one block, a packed one for several."""
-    return Shard(placement.dim) if j - i == 1 else PackedShard(placement.dim, placement.blocks[i:j])
+def blocks_placement(placement: PackedShard, i: int, j: int, axis_size: int):
+    """Blocks ``[i, j)`` of a packed layout, in its units: a plain shard for one even block."""
+    return packed_shard(placement.dim, placement.blocks[i:j], placement.unit, axis_size)
+
+
+def _splits(blocks, unit: int, axis_size: int) -> bool:
+    """Every block is whole units, at least one per rank."""
+    return all(block % unit == 0 and block // unit >= axis_size for block in blocks)
 
 
 @register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
@@ -256,8 +314,9 @@ def split(node: Node, placements, axis_size: int) -> Decision:
         return Decision(tuple(with_dim(placement, out_dim) for _ in pieces), {source: placement})
     blocks = tuple(int(p.shape[dim]) for p in pieces)
     if isinstance(placement, PackedShard) and placement.blocks == blocks:
-        return Decision(tuple(Shard(dim) for _ in pieces), {source: placement})
-    if isinstance(placement, Shard) and len(blocks) > 1 and all(b % axis_size == 0 for b in blocks):
+        return Decision(tuple(packed_shard(dim, (b,), placement.unit, axis_size) for b in blocks), {source: placement})
+    if not (isinstance(placement, PackedShard) and len(placement.blocks) > 1) and len(blocks) > 1 \
+            and _splits(blocks, unit_of(placement), axis_size):
         raise NeedsPacking(source, blocks)
     raise Unshardable(f"split into {list(blocks)} along the sharded dim {dim} ({placement})")
 
@@ -270,9 +329,10 @@ def _tensor_list_op(node: Node, placements) -> tuple[list[Node], int, dict[Node,
 
 
 @register(aten.cat.default)
-def cat(node: Node, placements, axis_size: int) -> Decision:
+def cat(node: Node, placements, axis_size: int, units: bool = False) -> Decision:
     """cat along another dim keeps a common sharding; along the sharded dim, every piece sharded on its own (a
-    joint text + image sequence) makes a packed layout whose blocks are the pieces (and a packed piece's blocks)."""
+    joint text + image sequence) makes a packed layout whose blocks are the pieces (and a packed piece's blocks).
+    Without ``units`` (sequence axes) every block must split evenly."""
     tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
@@ -289,14 +349,29 @@ def cat(node: Node, placements, axis_size: int) -> Decision:
         if any(isinstance(p, PackedShard) for p in sharded.values()):
             raise Unshardable("cat of values packed differently")
         return Decision(Shard(shard), {n: Shard(shard) for n in tensors})
-    blocks, inputs = (), {}
+    blocks, unit = (), math.lcm(*(unit_of(p) for p in sharded.values()))
     for n in tensors:
         placement = placements.get(n, R)
-        inputs[n] = placement if isinstance(placement, PackedShard) else Shard(dim)
         blocks += placement.blocks if isinstance(placement, PackedShard) else (shape_of(n)[dim],)
-    if any(b % axis_size for b in blocks):
+    if not units and any(b % axis_size for b in blocks):
         raise Unshardable(f"cat along the sharded dim of blocks {list(blocks)} not divisible by {axis_size}")
-    return Decision(PackedShard(dim, blocks), inputs)
+    if not _splits(blocks, unit, axis_size):
+        raise Unshardable(f"cat along the sharded dim of blocks {list(blocks)}: not whole units of {unit} for "
+                          f"each of {axis_size} ranks")
+    inputs = {}
+    for n in tensors:
+        own = placements.get(n, R)
+        inputs[n] = packed_shard(dim, own.blocks if isinstance(own, PackedShard) else (shape_of(n)[dim],), unit,
+                                 axis_size)
+        if n in sharded and own != inputs[n]:  # a piece split in finer units: its producer must use the common one
+            raise NeedsUnit(n, unit)
+    return Decision(packed_shard(dim, blocks, unit, axis_size), inputs)
+
+
+@register(aten.cat.default, axis="tensor")
+def tensor_cat(node: Node, placements, axis_size: int) -> Decision:
+    """Over a tensor axis the pieces may split unevenly, in a common unit (whole heads beside an MLP's rows)."""
+    return cat(node, placements, axis_size, units=True)
 
 
 @register(aten.stack.default)
