@@ -48,6 +48,8 @@ def _table(estimates: list[planner.LayoutEstimate]) -> str:
 def _detail(e: planner.LayoutEstimate) -> str:
     lines = [f"layout tp={e.tp} x ulysses={e.ulysses} (rank 0)"]
     lines += [f"  parameters {dtype:<10} {_gib(size)}" for dtype, size in sorted(e.parameter_bytes.items())]
+    lines += [f"  {which} rank {r['rank']}: {r['parameter_count']:,} parameters, {_gib(r['bytes'])}"
+              for which, r in e.parameter_ranks.items()]
     lines.append(f"  activation peak (estimate) {_gib(e.activation_bytes)}")
     lines += [f"  {kind:<12} {_gib(size)} per step" for kind, size in sorted(e.collective_bytes.items())]
     lines.append(f"  step estimate {e.step_s * 1e3:.1f} ms (compute {e.compute_s * 1e3:.1f}, comm {e.comm_s * 1e3:.1f})")

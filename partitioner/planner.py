@@ -45,7 +45,11 @@ class LayoutEstimate:
     tp: int
     ulysses: int
     replicas: int  # devices / (tp x ulysses): independent copies, one request each
-    parameter_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes on one rank
+    parameter_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes on rank 0
+    parameter_count: int = 0  # parameter elements on rank 0
+    # the ranks with the most and the fewest parameter bytes (uneven splits): {"largest": {"rank",
+    # "parameter_count", "bytes"}, "smallest": ...}
+    parameter_ranks: dict[str, dict[str, int]] = field(default_factory=dict)
     activation_bytes: int = 0
     collective_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes per step on one rank
     flops: float = 0.0
@@ -56,7 +60,10 @@ class LayoutEstimate:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(self.parameter_bytes.values()) + self.activation_bytes
+        """The fullest rank's parameters plus rank 0's activations (rank 0 takes the larger part of every uneven
+        split, so it is the fullest rank too)."""
+        largest = self.parameter_ranks.get("largest", {}).get("bytes", 0)
+        return max(sum(self.parameter_bytes.values()), largest) + self.activation_bytes
 
     @property
     def step_s(self) -> float:
@@ -156,6 +163,8 @@ def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None
         return result
     report = partitioned.report()
     result.parameter_bytes = report.parameter_bytes
+    result.parameter_count = report.parameters
+    result.parameter_ranks = report.parameter_extremes()
     result.activation_bytes = report.activation_peak_bytes
     for c in report.collectives:
         result.collective_bytes[c.kind] = result.collective_bytes.get(c.kind, 0) + c.count * c.bytes_per_call

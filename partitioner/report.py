@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.fx import GraphModule
@@ -33,6 +33,8 @@ class Report:
     hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs in the host prologue
     specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why
     buckets: dict[str, str] = field(default_factory=dict)  # "input dim d" -> its buckets and the ops reading it
+    # every rank's parameter elements and bytes, in rank order (uneven splits give ranks different shares)
+    rank_parameters: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_parameter_bytes(self) -> int:
@@ -42,6 +44,14 @@ class Report:
     def replicated_share(self) -> float:
         return self.replicated_bytes / self.total_parameter_bytes if self.total_parameter_bytes else 0.0
 
+    def parameter_extremes(self) -> dict[str, dict[str, int]]:
+        """The ranks holding the most and the fewest parameter bytes: {"largest": {rank, parameter_count, bytes},
+        "smallest": ...}."""
+        ranked = sorted(range(len(self.rank_parameters)), key=lambda r: (self.rank_parameters[r][1], -r))
+        return {which: {"rank": r, "parameter_count": self.rank_parameters[r][0],
+                        "bytes": self.rank_parameters[r][1]}
+                for which, r in (("largest", ranked[-1]), ("smallest", ranked[0]))} if ranked else {}
+
     def count(self, kind: str) -> int:
         return sum(c.count for c in self.collectives if c.kind == kind)
 
@@ -50,6 +60,11 @@ class Report:
                  f"  parameters per rank: {self.parameters:,} ({_bytes(self.total_parameter_bytes)}), "
                  f"replicated share {self.replicated_share:.1%}; buffers {_bytes(self.buffer_bytes)}"]
         lines += [f"    {dtype:<16} {_bytes(size):>12}" for dtype, size in sorted(self.parameter_bytes.items())]
+        extremes = self.parameter_extremes()
+        if extremes and extremes["largest"]["bytes"] != extremes["smallest"]["bytes"]:
+            lines.append("  uneven shares: " + ", ".join(
+                f"{which} rank {e['rank']} {e['parameter_count']:,} ({_bytes(e['bytes'])})"
+                for which, e in extremes.items()))
         lines.append(f"  {'collective':<16} {'axis':<8} {'count':>6} {'bytes/call':>12} {'bytes/step':>12}")
         for c in self.collectives:
             lines.append(f"  {c.kind:<16} {c.axis:<8} {c.count:>6} {_bytes(c.bytes_per_call):>12} "
@@ -140,6 +155,22 @@ def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
     return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
 
 
+def rank_parameters(gm: GraphModule, ctx: PassContext) -> list[tuple[int, int]]:
+    """(elements, bytes) of parameters on every rank of the mesh, from each parameter's global shape and
+    placements."""
+    params = [node for node, gi in ctx.placeholder_inputs(gm).items()
+              if gi.kind == "parameter" and isinstance(node.meta.get("val"), torch.Tensor)]
+    shapes = [(node.meta.get("global_shape") or tuple(node.meta["val"].shape), node.meta.get("placements", {}),
+               node.meta["val"].element_size()) for node in params]
+    totals = []
+    for rank in range(ctx.mesh.world_size):
+        mesh = replace(ctx.mesh, rank=rank)
+        counts = [(torch.Size(local_shape(shape, placements, mesh)).numel(), size)
+                  for shape, placements, size in shapes]
+        totals.append((sum(n for n, _ in counts), sum(n * size for n, size in counts)))
+    return totals
+
+
 def build_report(gm: GraphModule, ctx: PassContext) -> Report:
     parameters, replicated, buffers = 0, 0, 0
     by_dtype: dict[str, int] = defaultdict(int)
@@ -157,7 +188,7 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
                   activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {},
-                  dict(ctx.specializations), _buckets(ctx))
+                  dict(ctx.specializations), _buckets(ctx), rank_parameters(gm, ctx))
 
 
 def _buckets(ctx: PassContext) -> dict[str, str]:

@@ -21,13 +21,13 @@ def tiny_h3(seed: int = 0, **overrides):
     return MiniMaxH3Transformer3DModel(**{**TINY_H3, **overrides}).eval()
 
 
-def tiny_flux(seed: int = 0):
-    """A small Flux (MMDiT: one double-stream and one single-stream block; 4 heads x 16), random weights."""
+def tiny_flux(seed: int = 0, heads: int = 4):
+    """A small Flux (MMDiT: one double-stream and one single-stream block; ``heads`` x 16), random weights."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
     return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                  attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32,
                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
 
 
