@@ -316,3 +316,15 @@ def test_full_size_h3_padded_checks():
     model, inputs = full_h3(37900)
     partitioner.partition(model, {"tp": 8, "ulysses": 4}, ((), inputs), rank=0,
                           backend_checks={"neuron": {"pad_sequence": True}})
+
+
+def test_uneven_tp16_x_ulysses4_is_legal():
+    """A 64-core Trainium2 host as tp=16 x ulysses=4: 56 heads split 4/3 over tp, then over ulysses inside each tp
+    group. The last rank (tp rank 15: 3 heads; ulysses rank 3: none) passes every rule."""
+    model, inputs = full_h3(37888)
+    partitioned = partitioner.partition(model, {"tp": 16, "ulysses": 4}, ((), inputs), rank=63,
+                                        backend_checks="neuron")
+    assert neuron.check(partitioned.graph_module, partitioned.mesh) == []
+    heads = {n.meta["val"].shape[1] for n in partitioned.graph_module.graph.nodes
+             if n.target is torch.ops.aten.scaled_dot_product_attention.default}
+    assert heads == {3, 0}  # the refiner's attention on the tp rank's 3 heads; the blocks' on none after Ulysses

@@ -49,7 +49,7 @@ def model_and_reference():
 
 
 CASES = [(name, layout) for name in sorted(MODELS) for layout in sorted(MESHES)
-         if (name, layout) != ("h3_six_heads", "tp4")]  # 6 heads do not split over TP=4 (a PartitionError)
+         if (name, layout) != ("h3_six_heads", "tp4")]  # 6 heads over TP=4 split 2, 2, 1, 1: see the uneven test
 
 
 @pytest.mark.parametrize("name, layout", CASES)
@@ -74,6 +74,23 @@ def test_numerics_and_collectives_match_the_plan(name, layout):
         assert "all_reduce" in kinds
     if "ulysses" in MESHES[layout]:
         assert "all_to_all" in kinds
+
+
+def test_uneven_heads_exact_and_refused_by_verify():
+    """6 heads and an FFN of 98 over TP=4 (2, 2, 1, 1 heads; [98, 98] SwiGLU halves of 25, 25, 24, 24 rows):
+    verify=True refuses by name (XLA's equal tiles add data movement the plan does not have), verify=False runs
+    it, exact on every output."""
+    config = dict(num_attention_heads=6, hidden_size=96, time_embed_hidden_dim=96, ffn_dim=98)
+    model, inputs = tiny_h3(**config), h3_inputs({**TINY_H3, **config})
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+    partitioned = partitioner.partition(model, {"tp": 4}, ((), inputs))
+    assert partitioned.linear_styles["transformer_blocks.0.attn.to_q"] == "colwise uneven 16-32 in units of 16"
+    with pytest.raises(XlaBackendError, match="unevenly in whole units"):
+        partitioned.compile(backend="xla")
+    actual = partitioned.compile(backend="xla", verify=False)(**inputs, return_dict=False)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE)
 
 
 @pytest.mark.parametrize("layout", sorted(MESHES))

@@ -21,6 +21,10 @@ Two layouts differ from the plan's global one, where XLA's equal tiles cannot ex
 - a dim split over tp and then unevenly over ulysses (3 heads per tp rank, 2 + 1): each tp shard is padded to a
   multiple of the ulysses degree around the exchange (``Nested``).
 
+Heads split unevenly over tp (6 heads over 4 ranks: 2, 2, 1, 1) are annotated as plain shards: XLA pads them to
+equal tiles and moves data at the head reshapes, which is exact but is not the plan's communication, so
+``verify=True`` refuses such a plan by name (``verify="warn"`` runs it).
+
 Three ops are written out so that XLA keeps their operands sharded: Linear and attention as einsums
 (``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims into one, merging a sharded dim with an
 unsharded one), and layer_norm as reductions over its dims (torch_xla lowers it to batch-norm over the rows).
@@ -43,7 +47,7 @@ from ..base import Backend, register
 # tests).
 from .errors import CollectiveMismatch, XlaBackendError  # noqa: F401
 from .hlo import HloCollective, axis_of, compare, hlo_collectives  # noqa: F401
-from .layouts import Nested, Packed, nested_uneven, packed_spec, partition_spec  # noqa: F401
+from .layouts import Nested, Packed, nested_uneven, packed_spec, partition_spec, uneven_splits  # noqa: F401
 from .ops import _linear, _split_packed  # noqa: F401
 from .program import XlaProgram, XlaStats  # noqa: F401
 
@@ -54,6 +58,13 @@ def lower(planned: GraphModule, *, mesh, collectives: Counter | None = None, ver
     False skips reading the HLO."""
     if verify and collectives is None:
         raise XlaBackendError("verify needs the plan's collectives")
+    uneven = uneven_splits(planned, mesh)
+    if uneven and verify is True:
+        raise XlaBackendError(
+            f"the plan splits {len(uneven)} values unevenly in whole units (heads or fused blocks that the tp degree "
+            f"does not divide, e.g. {uneven[0]}); XLA tiles every dim in equal padded pieces, so its partitioner adds "
+            "all-gathers and collective-permutes around them that the plan does not have. The results are exact: "
+            "compile with verify='warn' (or False) to run it anyway, or use a tp degree that divides the head count")
     return XlaProgram(planned, mesh, collectives or Counter(), verify)
 
 

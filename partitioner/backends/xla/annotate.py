@@ -88,9 +88,9 @@ class _Annotator(Interpreter):
     def _call(self, node: Node, args, kwargs):
         target = node.target
         placements = node.meta.get("placements", {})
-        if target is aten.cat.default and _packed_placement(placements) is not None:
+        if target is aten.cat.default and _packed_placement(placements, self.mesh) is not None:
             packed = _cat_as_packed(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0),
-                                    _packed_placement(placements), _packed_ranks(placements, self.mesh))
+                                    _packed_placement(placements, self.mesh), _packed_ranks(placements, self.mesh))
             if packed is not None:
                 return packed
         if target is aten.linear.default:

@@ -18,6 +18,8 @@ def partition_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> t
     dims: list[list[str]] = [[] for _ in range(ndim)]
     for axis in mesh_axes:
         placement = placements.get(axis, Replicate())
+        if isinstance(placement, PackedShard) and len(placement.blocks) == 1:
+            placement = Shard(placement.dim)  # whole units, unevenly: XLA's padded equal tiles (see ``uneven``)
         if isinstance(placement, (Partial, PackedShard, tuple)):
             return None
         if isinstance(placement, Shard):
@@ -69,11 +71,27 @@ class Packed:
         return torch.cat(self.split(), self.dim)
 
 
-def _packed_placement(placements: dict) -> PackedShard | None:
-    packed = [p for p in placements.values() if isinstance(p, PackedShard)]
+def _packed_placement(placements: dict, mesh=None) -> PackedShard | None:
+    """The placement a value is laid out rank-major for: a packed shard of several blocks, each split evenly (over
+    its axis of ``mesh``, when given). An uneven one is left to XLA's padded tiles (see ``uneven_splits``)."""
+    packed = [p for axis, p in placements.items() if isinstance(p, PackedShard) and len(p.blocks) > 1
+              and (mesh is None or not _uneven(p, mesh.size(axis)))]
     if len(packed) > 1:
         raise XlaBackendError(f"a value packed over several mesh axes ({placements}) is not supported")
     return packed[0] if packed else None
+
+
+def _uneven(placement, ranks: int) -> bool:
+    return isinstance(placement, PackedShard) and any(block // placement.unit % ranks for block in placement.blocks)
+
+
+def uneven_splits(gm, mesh) -> list[str]:
+    """Values the plan splits unevenly in whole units (heads that do not divide the tp degree). XLA tiles a dim in
+    equal, padded pieces, so around these values its partitioner moves data the plan does not (all-gathers and
+    collective-permutes at head reshapes): exact, but not the plan's collectives."""
+    return [node.name for node in gm.graph.nodes
+            for axis, p in node.meta.get("placements", {}).items()
+            if not isinstance(p, tuple) and _uneven(p, mesh.size(axis))]
 
 
 def _packed_ranks(placements: dict, mesh) -> int:

@@ -105,7 +105,7 @@ class XlaProgram:
         if self.placed.get(index, (None,))[0] == key:
             return self.placed[index][1]
         placements = node.meta.get("placements", {})
-        packed = _packed_placement(placements)
+        packed = _packed_placement(placements, self.mesh)
         if packed is not None:  # laid out rank-major on the host, so the device never holds the fused layout
             dim, ranks = packed.dim % value.dim(), _packed_ranks(placements, self.mesh)
             host = Packed.from_blocks(value.split(list(packed.blocks), dim), dim, ranks)
