@@ -396,8 +396,9 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
         overrides = plan.linear_overrides()
-        ctx.plan = {path: style for path, (style, _) in overrides.items()}
-        ctx.packed_overrides = {path: blocks for path, (_, blocks) in overrides.items() if blocks}
+        ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
+        ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}
+        ctx.unit_overrides = {path: unit for path, (_, _, unit) in overrides.items() if unit > 1}
         ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
         ctx.bounds = {**plan.bounds, **ctx.bounds}
     else:

@@ -17,6 +17,7 @@ class PassContext:
     inputs: list[GraphInput]  # what each placeholder of the graph is, in placeholder order
     plan: dict[str, str] = field(default_factory=dict)  # user overrides, diffusers `_tp_plan` key syntax
     packed_overrides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # path -> packed blocks (a Plan)
+    unit_overrides: dict[str, int] = field(default_factory=dict)  # path -> the unit a column shard splits in (a Plan)
     given_sequence_seeds: dict[str, int] | None = None  # a Plan's sequence seeds, applied as they are
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace

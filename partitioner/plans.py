@@ -20,7 +20,8 @@ from pathlib import Path
 from .errors import InputError, MeshError
 
 VERSION = 1
-_STYLE = re.compile(r"^(colwise|rowwise|replicate)(?: packed \[(\d+(?:, \d+)*)\])?(?: gathered)?$")
+_STYLE = re.compile(r"^(colwise|rowwise|replicate)(?: packed \[(\d+(?:, \d+)*)\])?(?: uneven \d+-\d+)?"
+                    r"(?: in units of (\d+))?(?: gathered)?$")
 
 
 @dataclass
@@ -61,16 +62,16 @@ class Plan:
     def fingerprint(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
-    def linear_overrides(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-        """Every Linear's style as an exact override: path -> (style, packed blocks or None)."""
+    def linear_overrides(self) -> dict[str, tuple[str, tuple[int, ...] | None, int]]:
+        """Every Linear's style as an exact override: path -> (style, packed blocks or None, unit)."""
         overrides = {}
         for path, style in self.linears.items():
             match = _STYLE.match(style)
             if match is None:
                 raise InputError(f"plan entry {path!r}: style {style!r} is not one of colwise, colwise packed [a, b], "
-                                 "rowwise, replicate")
+                                 "colwise [packed [a, b]] in units of n, rowwise, replicate")
             blocks = tuple(int(b) for b in match[2].split(", ")) if match[2] else None
-            overrides[path] = (match[1], blocks)
+            overrides[path] = (match[1], blocks, int(match[3] or 1))
         return overrides
 
     def check_mesh(self, sizes: dict[str, int]) -> None:

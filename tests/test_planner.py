@@ -51,6 +51,19 @@ def tiny_config(tmp_path_factory):
     return path
 
 
+def test_uneven_tp_report_states_every_rank(tiny_config):
+    """tp=3 on 4 heads: the JSON states rank 0's parameter count and the largest and smallest rank, and the
+    memory that must fit is the largest rank's; the text names both ranks."""
+    (layout,) = json.loads(run_cli("--config", str(tiny_config), "--mesh", "tp=3", "--seq-len", "64",
+                                   "--json").stdout)
+    largest, smallest = layout["parameter_ranks"]["largest"], layout["parameter_ranks"]["smallest"]
+    assert largest["rank"] == 0 and smallest["rank"] == 2 and largest["bytes"] > smallest["bytes"]
+    assert layout["parameter_count"] == largest["parameter_count"]
+    assert layout["memory_bytes"] == largest["bytes"] + layout["activation_bytes"]
+    text = run_cli("--config", str(tiny_config), "--mesh", "tp=3", "--seq-len", "64").stdout
+    assert "largest rank 0:" in text and "smallest rank 2:" in text
+
+
 def test_config_file_report(tiny_config):
     """A diffusers config folder works like a model name; the human-readable report names every figure."""
     text = run_cli("--config", str(tiny_config), "--mesh", "tp=2,ulysses=2", "--seq-len", "64",
@@ -69,7 +82,7 @@ def test_search_ranks_layouts(tiny_config):
     possible = [r for r in result if r["error"] is None]
     assert [r["step_s"] for r in possible] == sorted(r["step_s"] for r in possible)
     impossible = {(r["tp"], r["ulysses"]): r["error"] for r in result if r["error"]}
-    assert "4 attention heads cannot be split evenly over a tp degree of 8" in impossible[(8, 1)]
+    assert "4 attention heads cannot be spread over a tp degree of 8" in impossible[(8, 1)]
     assert all(r["replicas"] * r["tp"] * r["ulysses"] == 8 for r in result)
 
 

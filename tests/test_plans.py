@@ -31,6 +31,17 @@ def test_a_plan_round_trips_through_json_and_reproduces_the_partition(h3, tmp_pa
     assert applied.graph_module.code == derived.graph_module.code
 
 
+def test_an_uneven_plan_round_trips(h3):
+    """TP=3 on 4 heads: styles with uneven units read back and reproduce the same program."""
+    model, inputs = h3
+    plan = Plan.from_json(partitioner.plan(model, {"tp": 3}, ((), inputs)).to_json())
+    assert plan.linears["transformer_blocks.0.attn.to_q"] == "colwise uneven 16-32 in units of 16"
+    derived = partitioner.partition(model, {"tp": 3}, ((), inputs))
+    applied = partitioner.partition(model, {"tp": 3}, ((), inputs), plan=plan)
+    assert applied.linear_styles == derived.linear_styles
+    assert applied.graph_module.code == derived.graph_module.code
+
+
 def test_an_edited_plan_is_applied_as_edited(h3):
     model, inputs = h3
     plan = partitioner.plan(model, {"tp": 2}, ((), inputs))

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from ..context import PassContext
 from ..errors import InvariantError
 from .. import collectives
-from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape, shard_sizes, shard_slices
+from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape, shard_slices, shard_widths
 from ..rules import PartitionError
 
 aten = torch.ops.aten
@@ -83,17 +83,18 @@ def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
     return result
 
 
-def _axis_sizes(producer: Node, dim: int, axis: str, ctx: PassContext) -> list[int]:
-    """How ``dim`` of ``producer`` splits over ``axis``: the size left by outer axes, split as evenly as can be."""
-    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[dim]
-    return shard_sizes(size, ctx.mesh.size(axis))
+def _axis_sizes(producer: Node, placement, axis: str, ctx: PassContext) -> list[int]:
+    """How many elements of ``placement``'s dim each rank of ``axis`` holds: the size left by outer axes, split as
+    the placement says (as evenly as can be, in whole units)."""
+    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[placement.dim]
+    return shard_widths(placement, size, ctx.mesh.size(axis))
 
 
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
-    if isinstance(placement, PackedShard):
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
         raise PartitionError(f"{producer.name}: gathering a packed shard {placement} is not supported; "
                              "override the plan so that this value stays replicated")
-    sizes = _axis_sizes(producer, placement.dim, axis, ctx)
+    sizes = _axis_sizes(producer, placement, axis, ctx)
     with producer.graph.inserting_after(producer):
         gather = producer.graph.call_function(
             collectives.all_gather, (producer, placement.dim, sizes, ctx.mesh.group_name(axis)))
@@ -112,8 +113,8 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     if packed and (not around_attention or current.dim == required.dim):
         raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact for an attention's "
                              "query, key and value and its output")
-    args = (producer, required.dim, current.dim, _axis_sizes(producer, required.dim, axis, ctx),
-            _axis_sizes(producer, current.dim, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
+    args = (producer, required.dim, current.dim, _axis_sizes(producer, required, axis, ctx),
+            _axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
     with producer.graph.inserting_after(producer):
         exchange = producer.graph.call_function(collectives.all_to_all, args)
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them

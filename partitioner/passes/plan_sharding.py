@@ -94,8 +94,12 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
                           decisions=swept.decisions)
     for failure in swept.failures:
         droppable = failure.seeds - roles.forced
-        if isinstance(failure.problem, NeedsPacking) and len(failure.seeds) == 1 and droppable:
-            result.packing[next(iter(failure.seeds))] = failure.problem.blocks
+        seed = next(iter(failure.seeds)) if len(failure.seeds) == 1 else None
+        refined = _refined_packing(result.packing.get(seed, roles.packed.get(seed)), shape_of(seed)[-1],
+                                   failure.problem.blocks) \
+            if isinstance(failure.problem, NeedsPacking) and droppable else None
+        if refined is not None and refined != roles.packed.get(seed):
+            result.packing[seed] = refined
         elif isinstance(failure.problem, NeedsUnit) and _coarser(failure.seeds, failure.problem.unit, roles, result):
             pass  # the seeds split in whole units next round (a unit they already have would fail again)
         else:
@@ -103,6 +107,27 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
                 result.failed.setdefault(seed, f"{failure.node.name}: {failure.problem}")
             result.failed_forced |= failure.seeds & roles.forced
     return result
+
+
+def _offsets(blocks) -> list[int]:
+    return [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+
+
+def _refined_packing(current: tuple[int, ...] | None, total: int, request: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The seed's packed blocks with a split request's cuts added. A request is in the coordinates of the value that
+    is split: the seed's whole output, or one piece of it (a fused qkv + MLP projection split in two, then the qkv
+    piece in three): a piece is found as the one run of the current blocks of its size. A request some run already
+    satisfies changes nothing; None when no run, or more than one, fits."""
+    base = current or (total,)
+    offsets = _offsets(base)
+    starts = [0] if sum(request) == total else [
+        offsets[i] for i in range(len(offsets)) for j in range(i + 1, len(offsets))
+        if offsets[j] - offsets[i] == sum(request)]
+    candidates = [tuple(b - a for a, b in zip(cuts, cuts[1:])) for cuts in
+                  (sorted(set(offsets) | {start + offset for offset in _offsets(request)}) for start in starts)]
+    if base in candidates:
+        return base
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def _coarser(seeds, unit: int, roles: LinearRoles, result: _Propagation) -> bool:
@@ -159,7 +184,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             rowwise={n for n, s in forced.items() if s == "rowwise"},
             replicate={n for n, s in forced.items() if s == "replicate"},
             forced=set(forced),
-            packed={node: ctx.packed_overrides[path] for node, path in paths.items() if path in ctx.packed_overrides})
+            packed={node: ctx.packed_overrides[path] for node, path in paths.items() if path in ctx.packed_overrides},
+            units={node: ctx.unit_overrides[path] for node, path in paths.items() if path in ctx.unit_overrides})
         while True:
             sweep = _propagate(gm, roles, gathered, degree)
             reasons.update(sweep.failed)

@@ -313,8 +313,11 @@ def split(node: Node, placements, axis_size: int) -> Decision:
         out_dim = placement.dim - (node.target is aten.unbind.int and dim < placement.dim)
         return Decision(tuple(with_dim(placement, out_dim) for _ in pieces), {source: placement})
     blocks = tuple(int(p.shape[dim]) for p in pieces)
-    if isinstance(placement, PackedShard) and placement.blocks == blocks:
-        return Decision(tuple(packed_shard(dim, (b,), placement.unit, axis_size) for b in blocks), {source: placement})
+    offsets = _offsets(placement.blocks) if isinstance(placement, PackedShard) else []
+    if isinstance(placement, PackedShard) and set(_offsets(blocks)) <= set(offsets):
+        # every piece is a run of whole blocks: its part of the layout (a fused qkv + MLP split, then each split)
+        runs = [(offsets.index(a), offsets.index(b)) for a, b in zip(_offsets(blocks), _offsets(blocks)[1:])]
+        return Decision(tuple(blocks_placement(placement, i, j, axis_size) for i, j in runs), {source: placement})
     if not (isinstance(placement, PackedShard) and len(placement.blocks) > 1) and len(blocks) > 1 \
             and _splits(blocks, unit_of(placement), axis_size):
         raise NeedsPacking(source, blocks)
