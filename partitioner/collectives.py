@@ -79,3 +79,60 @@ def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
     out = (centered * torch.rsqrt(variance + eps)).to(x.dtype)
     out = out if weight is None else out * weight
     return out if bias is None else out + bias
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):
+    """Attention of all queries over one block of keys: (output, log-sum-exp of the scores per query row), both in
+    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return _wide(out), lse.float()
+    scores = _wide(q) @ _wide(k).transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ _wide(v), lse
+
+
+def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks: int, index: int,
+             group_name: str) -> torch.Tensor:
+    """Launch the ring step: send this rank's key/value block to the next rank and receive the previous rank's
+    block (``incoming``: its k and v shapes' row counts and the elements they hold). One all_to_all_single whose
+    only non-empty pieces go to the next rank and come from the previous one: a collective-permute that sizes
+    each message exactly (uneven blocks need no padding). Returns the pending result (wait_tensor it)."""
+    send = torch.cat([k.reshape(-1), v.reshape(-1)])
+    sizes_out, sizes_in = [0] * ranks, [0] * ranks
+    sizes_out[(index + 1) % ranks] = send.numel()
+    sizes_in[(index - 1) % ranks] = sum(incoming)  # (on a ring of 2 the same rank as the next)
+    return functional.all_to_all_single(send, sizes_in, sizes_out, group_name)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, rows: list[int],
+                   index: int, group_name: str) -> torch.Tensor:
+    """Attention over a sequence whose keys and values are split over a ring of ``len(rows)`` ranks (``rows[i]``:
+    the key rows rank i holds); this rank (``index``) keeps its query rows. The key/value blocks travel round the
+    ring: at each step the next block's transfer is launched before this block's attention runs (overlap), and the
+    partial results are merged exactly by their log-sum-exp (the online softmax):
+    out = sum_i out_i * exp(lse_i - lse), lse = logsumexp_i(lse_i)."""
+    ranks = len(rows)
+    shape_k, shape_v = list(k.shape), list(v.shape)
+    out = lse = None
+    holder = index  # whose block this rank holds now
+    for step in range(ranks):
+        pending = None
+        if step < ranks - 1:
+            source = (holder - 1) % ranks
+            shape_k[-2] = shape_v[-2] = rows[source]
+            incoming = (math.prod(shape_k), math.prod(shape_v))
+            pending = _pass_on(k, v, incoming, ranks, index, group_name)
+        block_out, block_lse = _attention_block(q, k, v, scale)
+        if out is None:
+            out, lse = block_out, block_lse
+        else:
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+            lse = merged
+        if pending is not None:
+            received = functional.wait_tensor(pending)
+            k_part, v_part = received.split(list(incoming))
+            k, v = k_part.view(shape_k), v_part.view(shape_v)
+            holder = source
+    return out.to(q.dtype)

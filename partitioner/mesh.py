@@ -19,7 +19,8 @@ import torch
 from .errors import MeshError
 
 BATCH_AXES = ("dp", "cfg")  # data parallelism; "cfg" names it for classifier-free guidance's batch halves
-KNOWN_AXES = ("tp", "ulysses") + BATCH_AXES
+SEQUENCE_AXES = ("ring", "ulysses")  # sequence parallelism: ring attention, Ulysses all-to-all (innermost)
+KNOWN_AXES = ("tp",) + SEQUENCE_AXES + BATCH_AXES
 
 
 @dataclass(frozen=True)

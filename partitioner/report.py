@@ -140,14 +140,18 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 
 
 def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
-    from .collectives import sharded_layer_norm, sharded_rms_norm
+    from .collectives import ring_attention, sharded_layer_norm, sharded_rms_norm
 
     calls = defaultdict(int)
     for node in gm.graph.nodes:
         if "collective" in node.meta:
             kind, axis = node.meta["collective"]
             val = node.meta["val"]
-            if node.target in (sharded_rms_norm, sharded_layer_norm):  # float32 row statistics, not the output
+            if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block
+                k, v = node.args[1].meta["val"], node.args[2].meta["val"]
+                calls[(kind, axis, k.numel() * k.element_size() + v.numel() * v.element_size())] += \
+                    len(node.args[4]) - 1
+            elif node.target in (sharded_rms_norm, sharded_layer_norm):  # float32 row statistics, not the output
                 statistics = val.numel() // val.shape[-1] * 4
                 calls[(kind, axis, statistics)] += 1 if node.target is sharded_rms_norm else 2
             else:

@@ -90,6 +90,10 @@ def check(gm: GraphModule, mesh, text_rows: int | None = None) -> list[str]:
                             "prologue)")
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             problems += _attention_problems(node, text_rows)
+        if node.target is collectives.ring_attention:
+            problems.append(f"{node.name}: ring attention is not lowered for Neuron yet (it passes key/value blocks "
+                            "with all_to_all pieces of size zero, which Neuron's all-to-all groups are not known to "
+                            "accept); use a ulysses axis instead of ring")
     return list(dict.fromkeys(problems))  # a padded attention's two calls would report the same head_dim twice
 
 

@@ -8,6 +8,7 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Shard -> Replicate: ``collectives.all_gather`` (uneven shards padded to the largest, then trimmed).
 - Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
+- an attention whose keys a ring axis shards: ``collectives.ring_attention`` (key/value blocks passed round).
 
 New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 """
@@ -24,6 +25,7 @@ from ..errors import InvariantError
 from .. import collectives
 from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape, shard_slices, shard_widths
 from ..rules import PartitionError
+from ..rules.attention import RING_AXES
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -270,31 +272,70 @@ def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
                     mask = reordered
 
 
+def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
+    """An attention whose keys a ring axis shards becomes ``collectives.ring_attention``: its q, k and v are this
+    rank's rows (after any Ulysses exchange), the key/value blocks travel round the ring inside it."""
+    for node in gm.graph.nodes:
+        if node.target is not _ATTENTION:
+            continue
+        q, k, v = node.args[:3]
+        axes = [axis for axis in RING_AXES if axis in node.meta["required"]
+                and is_sharded(node.meta["required"][axis].get(k, R))]
+        if not axes:
+            continue
+        if len(axes) > 1:
+            raise PartitionError(f"{node.name}: keys sharded over several ring axes {axes}")
+        axis = axes[0]
+        rows = _axis_sizes(k, node.meta["required"][axis][k], axis, ctx)
+        node.target = collectives.ring_attention
+        node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("ring_pass", axis)
+
+
+def _phases(axis_names: tuple[str, ...]):
+    """(axes, narrows?) in the order redistributions happen. Two axes may shard one dim (ring, then ulysses inside
+    each ring shard): a gather or exchange over the outer axis is exact only once the inner axes no longer split
+    that dim, so they run inner axes first; a slice of a whole value is taken outer axis first (as local_shape
+    splits). Axes that shard different dims (tp and ulysses) are independent either way."""
+    return ((tuple(reversed(axis_names)), False), (axis_names, True))
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _scale_partial_means(gm, ctx)
     _reduce_partials(gm, ctx)
-    for axis in ctx.mesh.axis_names:
-        redistributed: dict[tuple[Node, str], Node] = {}
-        for node in list(gm.graph.nodes):
-            for producer in list(node.all_input_nodes):
-                required = node.meta["required"].get(axis, {}).get(producer)
-                current = producer.meta["placements"][axis]
-                if required is None or isinstance(required, tuple) or current == required:
-                    continue
-                if isinstance(current, Partial):
-                    producer, current = _all_reduce(producer, axis, ctx), R
-                    if required == R:
-                        continue
-                # a packed exchange is exact only for the attention it feeds: never shared with another consumer
-                packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
-                key = (producer, repr(required), node if packed and producer.target is not _ATTENTION else None)
-                if key not in redistributed:
-                    redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
-                node.replace_input_with(producer, redistributed[key])
-                _rekey(node, producer, redistributed[key])
+    for axes, narrows in _phases(ctx.mesh.axis_names):
+        for axis in axes:
+            _redistribute_axis(gm, ctx, axis, narrows)
     _masks_in_rank_order(gm, ctx)
     _distribute_norms(gm, ctx)
+    _ring_attentions(gm, ctx)
     return gm
+
+
+def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, narrows: bool) -> None:
+    """Every edge whose placement over ``axis`` differs from its consumer's requirement: the slices of whole values
+    (``narrows``) or every other redistribution."""
+    redistributed: dict[tuple[Node, str], Node] = {}
+    for node in list(gm.graph.nodes):
+        for producer in list(node.all_input_nodes):
+            required = node.meta["required"].get(axis, {}).get(producer)
+            current = producer.meta["placements"][axis]
+            if required is None or isinstance(required, tuple) or current == required:
+                continue
+            if narrows != (current == R and is_sharded(required)):
+                continue
+            if isinstance(current, Partial):
+                producer, current = _all_reduce(producer, axis, ctx), R
+                if required == R:
+                    continue
+            # a packed exchange is exact only for the attention it feeds: never shared with another consumer
+            packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
+            key = (producer, repr(required), node if packed and producer.target is not _ATTENTION else None)
+            if key not in redistributed:
+                redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
+            node.replace_input_with(producer, redistributed[key])
+            _rekey(node, producer, redistributed[key])
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:

@@ -24,15 +24,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from ..rules.attention import attention_options
+
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-
-
-def attention_options(node: Node) -> tuple:
-    """(attn_mask, dropout_p, is_causal) of a scaled_dot_product_attention node."""
-    def option(index: int, name: str, default):
-        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-    return option(3, "attn_mask", None), option(4, "dropout_p", 0.0), option(5, "is_causal", False)
 
 
 def paddable(node: Node) -> bool:

@@ -1,7 +1,10 @@
-"""plan_sequence: Ulysses sequence parallelism over the "ulysses" mesh axis, decided from the graph's structure.
+"""plan_sequence: sequence parallelism over the "ring" and "ulysses" mesh axes, decided from the graph's structure.
 
 Requires: plan_sharding has run (the tp placements: a Ulysses exchange splits the heads a tp rank holds).
-Guarantees: every node carries ``meta["placements"]["ulysses"]`` and ``meta["required"]["ulysses"]``.
+Guarantees: every node carries ``meta["placements"][axis]`` and ``meta["required"][axis]`` for each sequence axis
+of the mesh. Each axis is planned on its own, in mesh order (ring, then ulysses: USP, Ulysses inside each ring
+group); they differ only in their attention rule: Ulysses exchanges q/k/v to head sharding and back, ring attention
+keeps every rank's rows and sends key/value blocks round the ring (``rules/attention.py``).
 
 How the plan is found:
 
@@ -29,12 +32,13 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
+from ..mesh import SEQUENCE_AXES
 from ..placement import Replicate, Shard, any_sharded
 from ..propagate import sweep
 from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
+from ..rules.attention import RING_AXES
 
-AXIS = "ulysses"
 R = Replicate()
 
 
@@ -87,7 +91,7 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], parts: set
     return candidates
 
 
-def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
+def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
                refused: dict[Node, str], joint: set[int] = frozenset()):
     """One sweep (``partitioner.propagate``): decisions, and the seeds that failed before an attention (with why).
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
@@ -98,7 +102,7 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
             decision.visible = Shard(seeds[node])
         return decision
 
-    swept = sweep(gm, lambda node: rule_for(node, sequence_axis=AXIS), ctx.mesh.size(AXIS), adjust=adjust,
+    swept = sweep(gm, lambda node: rule_for(node, sequence_axis=axis), ctx.mesh.size(axis), adjust=adjust,
                   is_seed=lambda node, decision: node in seeds)
     failed = {}
     for failure in swept.failures:
@@ -121,22 +125,26 @@ def _propagate(gm: GraphModule, seeds: dict[Node, int], feeds_attention: set[Nod
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    if AXIS not in ctx.mesh.axis_names:
-        return gm
+    for axis in [axis for axis in ctx.mesh.axis_names if axis in SEQUENCE_AXES]:
+        _plan_axis(gm, ctx, axis)
+    return gm
+
+
+def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str) -> None:
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
     feeds_attention = _ancestors(attentions) | set(attentions)
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
     lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
-    small = {size for size in parts if size < ctx.mesh.size(AXIS)}  # (a register token: no rows for some ranks)
+    small = {size for size in parts if size < ctx.mesh.size(axis)}  # (a register token: no rows for some ranks)
     lengths, parts = lengths - small, parts - small
-    if ctx.mesh.size(AXIS) > 1:
+    if ctx.mesh.size(axis) > 1:
         seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
                  else _candidates(gm, ctx, lengths, parts, feeds_attention))
     refused: dict[Node, str] = {}
     while True:
-        decisions, failed = _propagate(gm, seeds, feeds_attention, ctx, refused, joint)
+        decisions, failed = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint)
         if failed and ctx.given_sequence_seeds is not None:
             raise PartitionError("the plan's sequence sharding cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))
@@ -146,12 +154,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if not failed:
             break
     ctx.sequence_seeds = {node.name: dim for node, dim in seeds.items()}
-    _record_attentions(attentions, decisions, refused, ctx)
+    _record_attentions(attentions, decisions, refused, ctx, axis)
     for node in gm.graph.nodes:
-        node.meta["placements"][AXIS] = decisions[node].output
-        node.meta["required"][AXIS] = decisions[node].inputs
+        node.meta["placements"][axis] = decisions[node].output
+        node.meta["required"][axis] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
-    return gm
 
 
 def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
@@ -164,36 +171,50 @@ def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
     return {nodes[name]: dim for name, dim in given.items()}
 
 
-def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext) -> None:
-    """Which attentions are sequence-sharded, and why the others are not (``Partitioned.explain``). An attention
-    too short or with too few heads for the degree is left whole; a degree that shards no attention warns."""
-    if ctx.mesh.size(AXIS) <= 1:
+def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext,
+                       axis: str) -> None:
+    """Which attentions are sequence-sharded over ``axis``, and why the others are not (``Partitioned.explain``;
+    with two sequence axes each line names its axis). An attention too short or with too few heads for the degree
+    is left whole; a ulysses degree that shards no attention warns, a ring that shards none is refused."""
+    if ctx.mesh.size(axis) <= 1:
         return
+    found = {}
     for node in attentions:
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
-        if decisions[node].output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
-            ctx.sequence_attention[where] = "sequence-sharded (Ulysses all_to_all)"
-        elif getattr(decisions[node].output, "dim", None) == 2:  # this rank's query rows over whole keys, values
-            ctx.sequence_attention[where] = "sequence-sharded (query rows; keys and values whole, no communication)"
+        decision = decisions[node]
+        if decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
+            found[where] = "sequence-sharded (Ulysses all_to_all)"
+        elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(node.args[1], R)):
+            found[where] = "sequence-sharded (ring attention: key/value blocks passed round the ring)"
+        elif getattr(decision.output, "dim", None) == 2:  # this rank's query rows over whole keys, values
+            found[where] = "sequence-sharded (query rows; keys and values whole, no communication)"
         elif node in refused:
-            ctx.sequence_attention[where] = f"not sequence-sharded: {refused[node]}"
+            found[where] = f"not sequence-sharded: {refused[node]}"
         else:
             stopped = sorted(ctx.sequence_stopped[n.name] for n in _ancestors([node]) if n.name in ctx.sequence_stopped)
-            ctx.sequence_attention[where] = ("not sequence-sharded: its query, key and value reach it whole"
-                                             + (f" (sharding stopped at {stopped[0]})" if stopped else
-                                                " (no input of it has the sequence length)"))
-    if attentions and not any(v.startswith("sequence-sharded") for v in ctx.sequence_attention.values()):
-        reasons = sorted({reason.removeprefix("not sequence-sharded: ") for reason in ctx.sequence_attention.values()})
-        warnings.warn(f"a {AXIS} degree of {ctx.mesh.size(AXIS)} shards no attention of this model, so its ranks "
+            found[where] = ("not sequence-sharded: its query, key and value reach it whole"
+                            + (f" (sharding stopped at {stopped[0]})" if stopped else
+                               " (no input of it has the sequence length)"))
+    several = sum(ctx.mesh.size(a) > 1 for a in ctx.mesh.axis_names if a in SEQUENCE_AXES) > 1
+    for where, how in found.items():
+        if several:
+            how = "; ".join(filter(None, [ctx.sequence_attention.get(where), f"{axis}: {how}"]))
+        ctx.sequence_attention[where] = how
+    if attentions and not any(how.startswith("sequence-sharded") for how in found.values()):
+        reasons = sorted({how.removeprefix("not sequence-sharded: ") for how in found.values()})
+        if axis in RING_AXES:
+            raise PartitionError(f"a ring of {ctx.mesh.size(axis)} shards no attention of this model: "
+                                 + "; ".join(reasons[:4]) + "; use a smaller ring degree (at most the shortest "
+                                 "sequence) or drop the ring axis")
+        warnings.warn(f"a {axis} degree of {ctx.mesh.size(axis)} shards no attention of this model, so its ranks "
                       "repeat the same attention work (the result is exact): " + "; ".join(reasons[:4])
-                      + f"; use a smaller {AXIS} degree or drop the {AXIS} axis", PartitionWarning, stacklevel=2)
+                      + f"; use a smaller {axis} degree or drop the {axis} axis", PartitionWarning, stacklevel=2)
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:
-    """Postcondition: on a mesh with a ulysses axis, every node has a ulysses placement."""
-    if AXIS not in ctx.mesh.axis_names:
-        return
-    for node in gm.graph.nodes:
-        if AXIS not in node.meta["placements"]:
-            raise InvariantError(f"{node.name} has no {AXIS} placement")
+    """Postcondition: every node has a placement for each sequence axis of the mesh."""
+    for axis in [axis for axis in ctx.mesh.axis_names if axis in SEQUENCE_AXES]:
+        for node in gm.graph.nodes:
+            if axis not in node.meta["placements"]:
+                raise InvariantError(f"{node.name} has no {axis} placement")

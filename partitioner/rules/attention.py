@@ -40,8 +40,50 @@ def attention(node: Node, placements, axis_size: int) -> Decision:
 
 
 
+RING_AXES = ("ring",)
+
+
+def ring_attention(node: Node, placements, axis_size: int) -> Decision:
+    """Ring attention: q, k and v sharded along the sequence stay where they are; key/value blocks travel round the
+    ring and each rank attends its query rows over every block (``collectives.ring_attention``, put in by
+    insert_collectives). The output keeps the queries' rows. Row order does not matter to keys (no mask, not
+    causal), so a packed joint sequence works as it is."""
+    q, k, v = node.args[:3]
+    sharded = sharded_inputs(node, placements)
+    if not sharded:
+        return attention(node, placements, axis_size)
+    masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
+    if any(n in sharded for n in masks):
+        raise Unshardable("a mask sharded along the sequence (ring attention with a mask is not supported yet)")
+    if q not in sharded or any(placements[n].dim != 2 for n in (q, k, v) if n in sharded):
+        raise Unshardable("ring attention needs the query rows sharded along the sequence (dim 2)")
+    if k not in sharded and v not in sharded:
+        return _query_rows(node, placements, masks)
+    _, dropout, causal = attention_options(node)
+    if masks or causal or dropout:
+        raise Unshardable("ring attention with a mask, causal, or with dropout is not supported yet")
+    if placements.get(k) != placements.get(v):
+        raise Unshardable(f"ring attention needs keys and values laid out alike ({placements.get(k)} and "
+                          f"{placements.get(v)})")
+    if shape_of(k)[1] != shape_of(q)[1]:
+        raise Unshardable("ring attention with fewer key/value heads than query heads (GQA)")
+    if shape_of(k)[2] < axis_size:
+        raise Unshardable(f"{shape_of(k)[2]} key rows cannot be spread over a ring of {axis_size}")
+    return Decision(placements[q], {q: placements[q], k: placements[k], v: placements[v]})
+
+
+def attention_options(node: Node) -> tuple:
+    """(attn_mask, dropout_p, is_causal) of a scaled_dot_product_attention node."""
+    def option(index: int, name: str, default):
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+    return option(3, "attn_mask", None), option(4, "dropout_p", 0.0), option(5, "is_causal", False)
+
+
 @register_factory(aten.scaled_dot_product_attention.default, axis="sequence")
 def make_sequence_attention(roles, axis: str) -> Callable:
+    if axis in RING_AXES:
+        return ring_attention
+
     def sequence_attention(node: Node, placements, axis_size: int) -> Decision:
         """Ulysses: q/k/v sharded along the sequence are exchanged (all_to_all) to be sharded along heads, the
         attention runs over the whole sequence for this rank's heads, and the output goes back to sequence

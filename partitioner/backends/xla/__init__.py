@@ -58,6 +58,10 @@ def lower(planned: GraphModule, *, mesh, collectives: Counter | None = None, ver
     False skips reading the HLO."""
     if verify and collectives is None:
         raise XlaBackendError("verify needs the plan's collectives")
+    if mesh.size("ring") > 1:
+        raise XlaBackendError(f"the mesh {mesh.sizes} has a ring axis; ring attention is not lowered to XLA SPMD yet "
+                              "(its key/value passing would be XLA's collective-permute): use a ulysses axis for XLA, "
+                              "or run the ring on the eager or inductor backends")
     uneven = uneven_splits(planned, mesh)
     if uneven and verify is True:
         raise XlaBackendError(
