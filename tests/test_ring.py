@@ -1,0 +1,117 @@
+"""Ring attention over a "ring" mesh axis, alone and composed as (tp, ring, ulysses), on real gloo ranks against the
+single-device model; full-size H3 at tp=8 x ring=2 x ulysses=8 on the fake process group; bad input.
+
+Sizes are awkward on purpose: H3's packed sequence has 25 rows (13 + 12 over a ring of 2, 9 + 8 + 8 over 3), Flux's
+joint sequence 24 (16 image and 8 text rows). Nothing is padded: each ring step sends exactly the rows its block has.
+
+Tolerance: a rank attends its query rows over every key/value block and merges the partial results by their
+log-sum-exp, so softmax sums in another order (measured ~2e-7 on O(1) outputs, float32); composed with TP the
+row-parallel sums reorder too (as in test_tp_numerics). rtol = atol = 1e-5, as there. The negative control (the
+blocks never passed on: each rank attends only its own keys) misses by far more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import partitioner
+from partitioner import MeshError, PartitionError, collectives
+from partitioner.testing import TINY_H3, fake_mesh, flux_inputs, full_h3_on_meta, h3_inputs, run_ranks, tiny_flux, tiny_h3
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+aten = torch.ops.aten
+
+
+def _h3():
+    return tiny_h3(), h3_inputs(TINY_H3, video=13, audio=7)  # 5 text + 13 video + 7 audio = 25 packed rows
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+
+
+def _run(shape, names, model, inputs, *, drop_passing: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with torch.no_grad():
+        expected = _first(model(**inputs))
+    partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
+    rings = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.ring_attention]
+    if drop_passing:  # negative control: a ring of one, each rank attends only the keys it holds
+        for node in rings:
+            q, k, v, scale, rows, index, group = node.args
+            node.args = (q, k, v, scale, [rows[index]], 0, group)
+        partitioned.graph_module.recompile()
+    return dict(expected=expected, actual=_first(partitioned.compile()(**inputs)), rings=len(rings),
+                rows=[n.args[4] for n in rings], explain=partitioned.explain(),
+                passes=partitioned.collective_counts()[("ring_pass", "ring")])
+
+
+def _cases(rank: int, world: int, layouts: dict) -> dict:
+    results = {}
+    for name, (shape, names) in layouts.items():
+        results[name] = _run(shape, names, *_h3())
+        if world in (2, 3):
+            results[f"{name} flux"] = _run(shape, names, tiny_flux(), flux_inputs())
+        if world == 2:
+            results[f"{name} dropped"] = _run(shape, names, *_h3(), drop_passing=True)
+    return results
+
+
+@pytest.mark.parametrize("world, layouts", [
+    (2, {"ring2": ((2,), ("ring",))}),
+    (3, {"ring3": ((3,), ("ring",))}),
+    (4, {"ring2_u2": ((2, 2), ("ring", "ulysses")), "tp2_ring2": ((2, 2), ("tp", "ring"))}),
+    (8, {"tp2_ring2_u2": ((2, 2, 2), ("tp", "ring", "ulysses"))}),
+], ids=["ring2", "ring3", "ring2xu2_tp2xring2", "tp2xring2xu2"])
+def test_ring_every_rank_exact(world, layouts):
+    """Every layout exact on every rank: both H3 main-block attentions run as ring attention (the text refiner's
+    masked attention stays whole, with why), each passing its block ring - 1 times; Flux's joint sequence (a packed
+    shard of text and image rows) needs no reordering, since keys are summed over in any order."""
+    results = run_ranks(world, _cases, layouts)
+    for rank, result in enumerate(results):
+        for name, case in result.items():
+            if name.endswith("dropped"):
+                assert (case["actual"] - case["expected"]).abs().max() > 1e-3, (name, rank)
+                continue
+            torch.testing.assert_close(case["actual"], case["expected"], **TOLERANCE, msg=f"{name} rank {rank}")
+            if "flux" not in name:
+                ring = dict(zip(*reversed(layouts[name])))["ring"]
+                assert case["rings"] == 2 and case["passes"] == 2 * (ring - 1), (name, case["rings"])
+                assert "transformer_blocks.0.attn: " in case["explain"] and "ring attention" in case["explain"]
+    if world == 3:  # 25 rows over 3: 9 + 8 + 8, the blocks sized exactly
+        assert results[0]["ring3"]["rows"][0] == [9, 8, 8]
+
+
+def test_full_h3_tp8_ring2_ulysses8_structure():
+    """Full-size H3 on 128 fake ranks, (tp, ring, ulysses) = (8, 2, 8), rank 0: ring groups pair ranks 8 apart,
+    Ulysses groups contiguous runs of 8; each of the 50 main attentions runs on 1 head (56 / 8 / 8, rounded up)
+    over 18944 query rows (37888 over the ring) and passes one block of 18944 key/value rows; 4 all_to_all each."""
+    model, inputs = full_h3_on_meta()
+    with fake_mesh((8, 2, 8), ("tp", "ring", "ulysses"), 0) as mesh:
+        partitioned = partitioner.partition(model, mesh, ((), inputs))
+        assert mesh.get_group("ring").size() == 2 and partitioned.mesh.groups("ring")[0] == [0, 8]
+        assert partitioned.mesh.groups("ulysses")[0] == list(range(8))
+    rings = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.ring_attention]
+    assert len(rings) == 50
+    for node in rings:
+        assert node.args[4] == [18944, 18944]
+        assert tuple(node.args[0].meta["val"].shape) == (1, 1, 18944, 128)
+    counts = partitioned.collective_counts()
+    assert counts[("ring_pass", "ring")] == 50 and counts[("all_to_all", "ulysses")] == 4 * 50
+
+
+def test_ring_bad_input():
+    """A ring longer than every sequence, a mesh that puts ulysses outside ring (strided all-to-all groups), ring
+    on XLA and on Neuron: named errors with the fix."""
+    model, inputs = _h3()
+    with pytest.raises(PartitionError, match=r"a ring of 32 shards no attention.*smaller ring degree"):
+        partitioner.partition(model, {"ring": 32}, ((), inputs))
+    with pytest.raises(MeshError, match="innermost"):
+        partitioner.partition(model, {"ulysses": 2, "ring": 2}, ((), inputs))
+    partitioned = partitioner.partition(model, {"ring": 2}, ((), inputs))
+    with pytest.raises(partitioner.BackendError, match="ring attention is not lowered to XLA"):
+        partitioned.compile(backend="xla")
+    with pytest.raises(partitioner.BackendError, match="ring attention is not lowered for Neuron"):
+        partitioner.partition(model, {"ring": 2}, ((), inputs), backend_checks="neuron")
