@@ -261,8 +261,8 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
               timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
-    ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as ``{"tp": 8}`` to plan
-    without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
+    ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
+    ``{"tp": 8}`` to plan without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
     ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``, or a whole ``Plan`` (from
     ``partitioner.plan``, possibly edited) applied as it is. ``dump_dir`` (or
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes

@@ -16,7 +16,8 @@ import torch
 from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-LAYOUTS = {"tp2": ((2,), ("tp",)), "u2": ((2,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses"))}
+LAYOUTS = {"tp2": ((2,), ("tp",)), "u2": ((2,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses")),
+           "ring2": ((2,), ("ring",))}
 
 
 def _mesh(shape, names):
@@ -41,7 +42,7 @@ def _inductor_vs_eager(rank: int, world: int, layout: str) -> dict:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_inductor_matches_eager_and_single_device(layout):
-    """TP, Ulysses and TP x Ulysses: the Inductor-compiled rank graph (collectives included) gives the eager
+    """TP, Ulysses, TP x Ulysses and ring: the Inductor-compiled rank graph (collectives included) gives the eager
     backend's outputs and the single device's, on every rank; the second call reuses the compiled code."""
     shape, _ = LAYOUTS[layout]
     for result in run_ranks(int(torch.tensor(shape).prod()), _inductor_vs_eager, layout):
