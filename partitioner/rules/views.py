@@ -61,7 +61,7 @@ def too_few_heads(node: Node, axis_size: int) -> None:
 
 def _alternatives(heads: int, devices: int) -> str:
     tp = max(d for d in range(1, heads + 1) if devices % d == 0)
-    return " or ".join(f"{{'tp': {tp}, '{axis}': {devices // tp}}}" for axis in ("ulysses", "dp"))
+    return " or ".join(f"{{'tp': {tp}, '{axis}': {devices // tp}}}" for axis in ("ulysses", "ring", "dp"))
 
 
 def view_placement(placement, in_shape, out_shape, axis_size: int, *, units: bool, source: Node | None = None):
