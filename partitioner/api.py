@@ -84,7 +84,8 @@ class Partitioned:
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
                 traced = trace(self.skeleton, example_inputs)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets, plan=dataclasses.replace(plan, sequence_seeds=None))
+                                       buckets=self.ctx.buckets,
+                                       plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
                 new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
             if new.slice_specs != self.slice_specs:
                 raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
@@ -400,6 +401,7 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
         ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}
         ctx.unit_overrides = {path: unit for path, (_, _, unit) in overrides.items() if unit > 1}
         ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
+        ctx.given_sequence_seeds_by_axis = plan.sequence_seeds_by_axis
         ctx.bounds = {**plan.bounds, **ctx.bounds}
     else:
         ctx.plan = dict(plan or {})

@@ -83,10 +83,12 @@ def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
 
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):
     """Attention of all queries over one block of keys: (output, log-sum-exp of the scores per query row), both in
-    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores."""
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        return _wide(out), lse.float()
+    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores (a
+    ``[rows, block rows]`` matrix per head: a fused kernel with the log-sum-exp is still to be used there)."""
+    if q.device.type == "cpu":  # (half types widened: each block's output is merged before any rounding)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(_wide(q), _wide(k), _wide(v), 0.0,
+                                                                             False, scale=scale)
+        return out, lse.float()
     scores = _wide(q) @ _wide(k).transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ _wide(v), lse

@@ -19,6 +19,7 @@ class PassContext:
     packed_overrides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # path -> packed blocks (a Plan)
     unit_overrides: dict[str, int] = field(default_factory=dict)  # path -> the unit a column shard splits in (a Plan)
     given_sequence_seeds: dict[str, int] | None = None  # a Plan's sequence seeds, applied as they are
+    given_sequence_seeds_by_axis: dict[str, dict[str, int]] | None = None  # the same per sequence axis (ring x ulysses)
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
     buckets: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # (input, dim) -> sizes (user)
@@ -32,6 +33,7 @@ class PassContext:
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
     sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
     sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
+    sequence_seeds_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # per sequence axis
     batch_split: dict[str, str] = field(default_factory=dict)  # input -> split along the batch, or why not (dp)
     padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
     #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)

@@ -77,10 +77,11 @@ class PartitionedModule(torch.nn.Module):
     def _call(self, *args, **kwargs):
         owner = self._partitioned.model_name
         named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
-        bucketed = pad_named(named, self._partitioned.ctx.buckets, owner)  # the shapes of the program it runs on
-        key = _shape_signature(bucketed)
+        buckets = self._partitioned.ctx.buckets
+        key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
         compiled = self._cache.get(key)
-        if compiled is None:
+        if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
+            bucketed = pad_named(named, buckets, owner)
             if self._first.accepts((), bucketed):
                 compiled = self._first
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would

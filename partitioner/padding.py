@@ -114,9 +114,10 @@ def pad_dim(value: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([value, value.new_zeros(shape)], dim)
 
 
-def pad_named(named: dict, buckets: Buckets, owner: str) -> dict:
+def pad_named(named: dict, buckets: Buckets, owner: str, *, shapes_only: bool = False) -> dict:
     """The call's arguments with every bucketed dim padded to its bucket; ``InputError`` for an unknown input, a
-    dim it does not have, or a size beyond the largest bucket."""
+    dim it does not have, or a size beyond the largest bucket. With ``shapes_only`` a padded tensor is an empty
+    meta tensor of the padded shape: enough to name the program a call runs on, without copying anything."""
     leaves, spec = pytree.tree_flatten_with_path(named)
     names = [argument_name(path) for path, _ in leaves]
     values = [leaf for _, leaf in leaves]
@@ -130,5 +131,11 @@ def pad_named(named: dict, buckets: Buckets, owner: str) -> dict:
             raise InputError(f"{owner}: buckets pad {name} along dim {dim}, which "
                              + (f"it does not have (shape {list(value.shape)})" if isinstance(value, torch.Tensor)
                                 else f"is not a tensor ({type(value).__name__})"))
-        values[position] = pad_dim(value, dim, bucket_for(value.shape[dim], sizes, name, dim, owner))
+        bucket = bucket_for(value.shape[dim], sizes, name, dim, owner)
+        if shapes_only and bucket != value.shape[dim]:
+            shape = list(value.shape)
+            shape[dim] = bucket
+            values[position] = torch.empty(shape, dtype=value.dtype, device="meta")
+        else:
+            values[position] = pad_dim(value, dim, bucket)
     return pytree.tree_unflatten(values, spec)

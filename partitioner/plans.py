@@ -32,12 +32,15 @@ class Plan:
     attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not (read-only)
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op -> bound
     version: int = VERSION
+    # with two sequence axes (ring x ulysses), each axis's seeds; ``sequence_seeds`` then holds the innermost's
+    sequence_seeds_by_axis: dict[str, dict[str, int]] | None = None
 
     @classmethod
     def of(cls, partitioned) -> "Plan":
         ctx = partitioned.ctx
+        by_axis = dict(ctx.sequence_seeds_by_axis) if len(ctx.sequence_seeds_by_axis) > 1 else None
         return cls(dict(ctx.mesh.sizes), dict(ctx.linear_styles), dict(ctx.sequence_seeds),
-                   dict(ctx.sequence_attention), dict(ctx.bounds))
+                   dict(ctx.sequence_attention), dict(ctx.bounds), sequence_seeds_by_axis=by_axis)
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(asdict(self), indent=1, sort_keys=True)

@@ -44,7 +44,7 @@ class MutatesBuffer(Scaled):
 
 def test_unknown_mesh_dim_name(h3):
     """An unknown dim name is a MeshError naming it and the allowed names."""
-    with pytest.raises(MeshError, match=r"'pp'.*\['tp', 'ulysses', 'dp', 'cfg'\]"):
+    with pytest.raises(MeshError, match=r"'pp'.*\['tp', 'ring', 'ulysses', 'dp', 'cfg'\]"):
         partition(h3[0], {"pp": 2}, ((), h3[1]))
 
 

@@ -31,6 +31,17 @@ def test_a_plan_round_trips_through_json_and_reproduces_the_partition(h3, tmp_pa
     assert applied.graph_module.code == derived.graph_module.code
 
 
+def test_a_ring_x_ulysses_plan_keeps_each_axis_seeds(h3):
+    """With two sequence axes the plan records each axis's seeds and applying it reproduces the program."""
+    model, inputs = h3
+    mesh = {"ring": 2, "ulysses": 2}
+    plan = Plan.from_json(partitioner.plan(model, mesh, ((), inputs)).to_json())
+    assert set(plan.sequence_seeds_by_axis) == {"ring", "ulysses"}
+    derived = partitioner.partition(model, mesh, ((), inputs))
+    applied = partitioner.partition(model, mesh, ((), inputs), plan=plan)
+    assert applied.graph_module.code == derived.graph_module.code
+
+
 def test_an_uneven_plan_round_trips(h3):
     """TP=3 on 4 heads: styles with uneven units read back and reproduce the same program."""
     model, inputs = h3

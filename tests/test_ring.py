@@ -31,12 +31,13 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
 
 
-def _run(shape, names, model, inputs, *, drop_passing: bool = False) -> dict:
+def _run(shape, names, model, inputs, *, drop_passing: bool = False, plan=None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     with torch.no_grad():
         expected = _first(model(**inputs))
-    partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
+    partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs),
+                                        plan=plan)
     rings = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.ring_attention]
     if drop_passing:  # negative control: a ring of one, each rank attends only the keys it holds
         for node in rings:
@@ -52,10 +53,13 @@ def _cases(rank: int, world: int, layouts: dict) -> dict:
     results = {}
     for name, (shape, names) in layouts.items():
         results[name] = _run(shape, names, *_h3())
-        if world in (2, 3):
+        if world in (2, 3) or name == "ring2_u2":
             results[f"{name} flux"] = _run(shape, names, tiny_flux(), flux_inputs())
         if world == 2:
             results[f"{name} dropped"] = _run(shape, names, *_h3(), drop_passing=True)
+    if world == 4:  # two axes splitting one dim the other way round: tp slices heads, then Ulysses exchanges them
+        results["tp2_u2 k replicated flux"] = _run((2, 2), ("tp", "ulysses"), tiny_flux(), flux_inputs(),
+                                                   plan={"transformer_blocks.*.attn.to_k": "replicate"})
     return results
 
 
@@ -68,7 +72,9 @@ def _cases(rank: int, world: int, layouts: dict) -> dict:
 def test_ring_every_rank_exact(world, layouts):
     """Every layout exact on every rank: both H3 main-block attentions run as ring attention (the text refiner's
     masked attention stays whole, with why), each passing its block ring - 1 times; Flux's joint sequence (a packed
-    shard of text and image rows) needs no reordering, since keys are summed over in any order."""
+    shard of text and image rows) needs no reordering, since keys are summed over in any order (at ring x ulysses
+    the packing is the ring's; Ulysses shards the joint rows of each ring shard). Also at TP=2 x Ulysses=2, a key
+    projection kept whole: its heads are sliced over tp before Ulysses exchanges them."""
     results = run_ranks(world, _cases, layouts)
     for rank, result in enumerate(results):
         for name, case in result.items():

@@ -133,6 +133,7 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     for start, end in ranges:
         with graph.inserting_after(anchor):
             anchor = graph.call_function(aten.slice.Tensor, (producer, placement.dim, start, end))
+        anchor.meta["local_slice"] = True  # its bounds are this rank's already (localize leaves them)
         pieces.append(_annotate(anchor, producer, axis, placement, {producer: R}))
     if len(pieces) == 1:
         return pieces[0]
@@ -293,29 +294,38 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         node.meta["collective"] = ("ring_pass", axis)
 
 
-def _phases(axis_names: tuple[str, ...]):
-    """(axes, narrows?) in the order redistributions happen. Two axes may shard one dim (ring, then ulysses inside
-    each ring shard): a gather or exchange over the outer axis is exact only once the inner axes no longer split
-    that dim, so they run inner axes first; a slice of a whole value is taken outer axis first (as local_shape
-    splits). Axes that shard different dims (tp and ulysses) are independent either way."""
-    return ((tuple(reversed(axis_names)), False), (axis_names, True))
+def _kind(current, required) -> str:
+    if current == R and is_sharded(required):
+        return "slice"
+    if is_sharded(current) and required == R:
+        return "gather"
+    return "exchange"  # all_to_all, or a partial sum reduced
+
+
+def _phases(axis_names: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """(kind, axes in order) as redistributions happen. Two axes may shard one dim, the inner splitting each shard
+    of the outer (tp then ulysses on heads; ring then ulysses on rows), and each collective's sizes assume the
+    layout the others leave: slices are taken outer axis first (as local_shape splits), exchanges then run in mesh
+    order on those shards, and gathers come last, inner axis first (an outer gather is a plain concatenation only
+    once no inner axis splits the dim)."""
+    return [("slice", axis_names), ("exchange", axis_names), ("gather", tuple(reversed(axis_names)))]
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _scale_partial_means(gm, ctx)
     _reduce_partials(gm, ctx)
-    for axes, narrows in _phases(ctx.mesh.axis_names):
+    for kind, axes in _phases(ctx.mesh.axis_names):
         for axis in axes:
-            _redistribute_axis(gm, ctx, axis, narrows)
+            _redistribute_axis(gm, ctx, axis, kind)
     _masks_in_rank_order(gm, ctx)
     _distribute_norms(gm, ctx)
     _ring_attentions(gm, ctx)
     return gm
 
 
-def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, narrows: bool) -> None:
-    """Every edge whose placement over ``axis`` differs from its consumer's requirement: the slices of whole values
-    (``narrows``) or every other redistribution."""
+def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, kind: str) -> None:
+    """Every edge whose placement over ``axis`` differs from its consumer's requirement by a redistribution of
+    ``kind`` (see ``_kind``)."""
     redistributed: dict[tuple[Node, str], Node] = {}
     for node in list(gm.graph.nodes):
         for producer in list(node.all_input_nodes):
@@ -323,7 +333,7 @@ def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, narrows: bo
             current = producer.meta["placements"][axis]
             if required is None or isinstance(required, tuple) or current == required:
                 continue
-            if narrows != (current == R and is_sharded(required)):
+            if _kind(current, required) != kind:
                 continue
             if isinstance(current, Partial):
                 producer, current = _all_reduce(producer, axis, ctx), R

@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import PassContext
 from ..errors import InvariantError
-from ..placement import PackedShard, is_sharded, local_shape
+from ..placement import PackedShard, is_sharded, local_shape, shard_slices
 from ..rules.views import block_range
 
 aten = torch.ops.aten
@@ -82,6 +82,8 @@ def _localize_block_slice(node: Node, mesh) -> None:
     """A slice (or slice_scatter) over whole blocks of a packed shard (the image rows of a joint text + image
     sequence) covers this rank's part of those blocks: their local offsets."""
     source = node.args[0]
+    if node.meta.get("local_slice"):  # a slice insert_collectives took of this rank's part of its input
+        return
     dim_arg = 2 if node.target is aten.slice_scatter.default else 1
     dim = node.args[dim_arg] % len(source.meta["global_shape"])
     packed = [(axis, p) for axis, p in source.meta["placements"].items()
@@ -92,7 +94,9 @@ def _localize_block_slice(node: Node, mesh) -> None:
     if any(is_sharded(p) and p.dim == dim for other, p in source.meta["placements"].items() if other != axis):
         raise InvariantError(f"{node.name}: a block slice of a dim sharded over two axes")
     first, last = block_range(node, placement, dim_arg)
-    local = [size // mesh.size(axis) for size in placement.blocks]
+    # this rank's width of each block (uneven blocks, in whole units, differ from rank to rank)
+    local = [end - start for start, end in shard_slices(placement, sum(placement.blocks), mesh.size(axis),
+                                                        mesh.coordinate(axis))]
     node.args = (*node.args[:dim_arg + 1], sum(local[:first]), sum(local[:last]))
 
 

@@ -125,36 +125,45 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    first = True
     for axis in [axis for axis in ctx.mesh.axis_names if axis in SEQUENCE_AXES]:
-        _plan_axis(gm, ctx, axis)
+        _plan_axis(gm, ctx, axis, joint_parts=first)
+        first = first and ctx.mesh.size(axis) <= 1
     return gm
 
 
-def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str) -> None:
+def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) -> None:
+    """Plan one sequence axis. A joint sequence is packed from its parts only on the first axis that shards:
+    packed blocks name global sizes, which an inner axis (Ulysses inside a ring shard) does not split."""
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
     feeds_attention = _ancestors(attentions) | set(attentions)
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
-    lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable)
+    lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable and joint_parts)
     small = {size for size in parts if size < ctx.mesh.size(axis)}  # (a register token: no rows for some ranks)
     lengths, parts = lengths - small, parts - small
+    given = (ctx.given_sequence_seeds_by_axis or {}).get(axis, ctx.given_sequence_seeds)
     if ctx.mesh.size(axis) > 1:
-        seeds = (_given_seeds(gm, ctx.given_sequence_seeds) if ctx.given_sequence_seeds is not None
+        seeds = (_given_seeds(gm, given) if given is not None
                  else _candidates(gm, ctx, lengths, parts, feeds_attention))
     refused: dict[Node, str] = {}
+    stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
     while True:
         decisions, failed = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint)
-        if failed and ctx.given_sequence_seeds is not None:
-            raise PartitionError("the plan's sequence sharding cannot be applied: "
+        if failed and given is not None:
+            raise PartitionError(f"the plan's sequence sharding over {axis!r} cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))
         for seed, reason in failed.items():
-            ctx.sequence_stopped[seed.name] = reason
+            stopped[seed.name] = reason
             del seeds[seed]
         if not failed:
             break
+    ctx.sequence_stopped.update(stopped)
     ctx.sequence_seeds = {node.name: dim for node, dim in seeds.items()}
-    _record_attentions(attentions, decisions, refused, ctx, axis)
+    if ctx.mesh.size(axis) > 1:
+        ctx.sequence_seeds_by_axis[axis] = dict(ctx.sequence_seeds)
+    _record_attentions(attentions, decisions, refused, ctx, axis, stopped)
     for node in gm.graph.nodes:
         node.meta["placements"][axis] = decisions[node].output
         node.meta["required"][axis] = decisions[node].inputs
@@ -172,7 +181,7 @@ def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
 
 
 def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext,
-                       axis: str) -> None:
+                       axis: str, stopped: dict[str, str]) -> None:
     """Which attentions are sequence-sharded over ``axis``, and why the others are not (``Partitioned.explain``;
     with two sequence axes each line names its axis). An attention too short or with too few heads for the degree
     is left whole; a ulysses degree that shards no attention warns, a ring that shards none is refused."""
@@ -192,9 +201,9 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         elif node in refused:
             found[where] = f"not sequence-sharded: {refused[node]}"
         else:
-            stopped = sorted(ctx.sequence_stopped[n.name] for n in _ancestors([node]) if n.name in ctx.sequence_stopped)
+            why = sorted(stopped[n.name] for n in _ancestors([node]) if n.name in stopped)
             found[where] = ("not sequence-sharded: its query, key and value reach it whole"
-                            + (f" (sharding stopped at {stopped[0]})" if stopped else
+                            + (f" (sharding stopped at {why[0]})" if why else
                                " (no input of it has the sequence length)"))
     several = sum(ctx.mesh.size(a) > 1 for a in ctx.mesh.axis_names if a in SEQUENCE_AXES) > 1
     for where, how in found.items():

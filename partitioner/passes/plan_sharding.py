@@ -37,6 +37,7 @@ from ..placement import Partial, Replicate, any_sharded, is_sharded, shard_width
 from ..errors import InvariantError, PartitionError
 from ..propagate import sweep
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
+from ..rules.views import degree_above_heads
 
 AXIS = "tp"
 STYLES = ("colwise", "rowwise", "replicate")
@@ -97,7 +98,7 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
         seed = next(iter(failure.seeds)) if len(failure.seeds) == 1 else None
         refined = _refined_packing(result.packing.get(seed, roles.packed.get(seed)), shape_of(seed)[-1],
                                    failure.problem.blocks) \
-            if isinstance(failure.problem, NeedsPacking) and droppable else None
+            if isinstance(failure.problem, NeedsPacking) and seed is not None and droppable else None
         if refined is not None and refined != roles.packed.get(seed):
             result.packing[seed] = refined
         elif isinstance(failure.problem, NeedsUnit) and _coarser(failure.seeds, failure.problem.unit, roles, result):
@@ -173,6 +174,9 @@ def _style(linear: Node, decision: Decision, roles: LinearRoles, degree: int) ->
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     degree = ctx.mesh.size(AXIS)
+    too_many = degree_above_heads(ctx.attention, degree)
+    if too_many is not None:
+        raise too_many
     fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
     paths = {linear: _linear_path(linear, fqns) for linear in linears}

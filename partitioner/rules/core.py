@@ -43,13 +43,21 @@ class NeedsPacking(Exception):
     node: Node
     blocks: tuple[int, ...]
 
+    def __str__(self) -> str:
+        return f"{self.node.name} is split into blocks {list(self.blocks)} that its producer could not pack"
+
 
 @dataclass(frozen=True)
 class NeedsUnit(Exception):
     """A value sharded in pieces that would cut a group an op keeps whole (a head reshape would split a head): the
-    producer must shard in whole ``unit``s."""
+    producer must shard in whole ``unit``s. The planner asks the seeds that reached ``node`` for that unit, which
+    is right when ``node`` has their features' coordinates (a Linear's output, or pieces of it); otherwise the
+    same request comes back unchanged and the seeds are dropped."""
     node: Node
     unit: int
+
+    def __str__(self) -> str:
+        return f"{self.node.name} would be cut inside groups of {self.unit} that its producer could not keep whole"
 
 
 @dataclass

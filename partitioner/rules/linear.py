@@ -44,6 +44,8 @@ def make_linear_rule(roles: LinearRoles, axis: str | None = None) -> Callable:
             too_few_heads(node, axis_size)
             blocks = roles.packed.get(node) or (shape_of(weight)[0],)
             unit = roles.units.get(node, 1)
+            if any(block % unit for block in blocks):
+                raise Unshardable(f"output blocks {list(blocks)} are not whole units of {unit}")
             if any(block // unit < axis_size for block in blocks):
                 raise Unshardable(f"output features {list(blocks)} in units of {unit} leave some of the "
                                   f"{axis_size} ranks nothing")

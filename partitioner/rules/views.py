@@ -49,14 +49,25 @@ def view_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
 
 
 def too_few_heads(node: Node, axis_size: int) -> None:
-    """A head reshape or projection (annotated by annotate_heads) with fewer heads than ranks is a user error:
-    tensor parallelism gives every rank whole heads (unevenly if need be), and a rank cannot hold none."""
+    """A head reshape or projection (annotated by annotate_heads) with fewer heads than ranks: a rank cannot hold
+    none, so this attention stays whole (a degree above every attention's head count is refused by plan_sharding,
+    ``degree_above_heads``)."""
     heads = node.meta.get("heads")
-    if heads is not None and heads.heads < axis_size and heads.role not in ("k", "v"):
-        raise PartitionError(
-            f"{heads.module}: {heads.heads} attention heads cannot be spread over a tp degree of {axis_size}; the "
-            f"largest tp degree is {heads.heads}. Give the other devices to another axis instead, e.g. "
-            f"{_alternatives(heads.heads, axis_size)}")
+    if heads is not None and heads.heads < axis_size:
+        raise Unshardable(f"{heads.module}: {heads.heads} attention heads cannot be spread over {axis_size} ranks")
+
+
+def degree_above_heads(attentions, degree: int) -> PartitionError | None:
+    """The error for a tp degree above the head count of every attention (``attentions``: annotate_heads'
+    ``HeadInfo``s): tensor parallelism would shard none of them. It names the attention with the most heads, the
+    largest degree that shards it, and meshes that give the other devices to another axis."""
+    if not attentions or max(info.heads for info in attentions) >= degree:
+        return None
+    widest = max(attentions, key=lambda info: info.heads)
+    return PartitionError(
+        f"{widest.module}: {widest.heads} attention heads cannot be spread over a tp degree of {degree}; the largest "
+        f"tp degree is {widest.heads}. Give the other devices to another axis instead, e.g. "
+        f"{_alternatives(widest.heads, degree)}")
 
 
 def _alternatives(heads: int, devices: int) -> str:
