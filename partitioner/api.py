@@ -22,7 +22,7 @@ from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PLAN, TO_RANK, run_passes
 from .plans import Plan
-from .report import Report, build_report
+from .report import Report, build_report, collective_stats
 from .padding import pad_named, parse_buckets
 from .runtime import input_names, place_graph_on
 from .trace import Traced, bind_forward, copy_graph_module, trace
@@ -175,7 +175,7 @@ class Partitioned:
     def collective_counts(self) -> Counter:
         """How many collectives of each (kind, mesh axis) one rank's program runs."""
         counts = Counter()
-        for stat in self.report().collectives:
+        for stat in collective_stats(self.graph_module):  # (not the whole report: it sizes every rank's weights)
             counts[(stat.kind, stat.axis)] += stat.count
         return counts
 

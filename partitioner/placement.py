@@ -26,8 +26,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from .errors import PartitionError
 
-__all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "local_shape", "packed_shard", "shard_slices",
-           "shard_widths", "shorthand", "unit_of"]
+__all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "block_offsets", "local_shape", "packed_shard",
+           "shard_slices", "shard_widths", "shorthand", "unit_of"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ def packed_shard(dim: int, blocks, unit: int, num: int):
     if all(block // unit % num == 0 for block in blocks):
         unit = 1
     return Shard(dim) if len(blocks) == 1 and unit == 1 else PackedShard(dim, blocks, unit)
+
+
+def block_offsets(blocks) -> list[int]:
+    """Where each block of a packed dim starts, and the dim's end: (8, 16) -> [0, 8, 24]."""
+    return [sum(blocks[:i]) for i in range(len(blocks) + 1)]
 
 
 def unit_of(placement) -> int:

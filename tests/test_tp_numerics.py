@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
+from partitioner.testing import TINY_H3, drop_all_reduce, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 # Removing this all_reduce leaves the last block's attention output as a per-rank partial sum.
@@ -27,18 +27,6 @@ def _mesh(world: int):
     return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
 
 
-def _drop_all_reduce(partitioned, module_path: str) -> None:
-    """Negative control: bypass the all_reduce after ``module_path``'s linear (a test-side graph edit)."""
-    graph = partitioned.graph_module.graph
-    reduce = next(n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
-                  and list(n.meta["nn_module_stack"].values())[-1][0] == module_path)
-    wait = next(iter(reduce.users))
-    wait.replace_all_uses_with(reduce.args[0])
-    graph.erase_node(wait)
-    graph.erase_node(reduce)
-    partitioned.graph_module.recompile()
-
-
 def _h3_case(world: int, *, plan=None, drop: str | None = None) -> dict:
     import partitioner
 
@@ -47,7 +35,7 @@ def _h3_case(world: int, *, plan=None, drop: str | None = None) -> dict:
         expected = model(**inputs, return_dict=False)
     partitioned = partitioner.partition(model, _mesh(world), ((), inputs), plan=plan)
     if drop:
-        _drop_all_reduce(partitioned, drop)
+        drop_all_reduce(partitioned, drop)
     compiled = partitioned.compile()
     as_tuple = compiled(**inputs, return_dict=False)
     as_output = compiled(**inputs)

@@ -15,7 +15,8 @@ import torch
 
 import partitioner
 from partitioner.placement import shard_sizes, slice_local
-from partitioner.testing import TINY_H3, fake_mesh, flux_inputs, full_h3_on_meta, h3_inputs, run_ranks, tiny_flux, tiny_h3
+from partitioner.testing import (TINY_H3, drop_all_reduce, fake_mesh, flux_inputs, full_h3_on_meta, h3_inputs,
+                                 run_ranks, tiny_flux, tiny_h3)
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 HEADS = 7  # 3, 5 and 7 ranks: 3+2+2, 2+2+1+1+1, 1 each
@@ -38,14 +39,7 @@ def _run(mesh, model, inputs, drop: str | None = None) -> dict:
         expected = _first(model(**inputs))
     partitioned = partitioner.partition(model, mesh, ((), inputs))
     if drop:  # negative control: the all_reduce after ``drop``'s linear is bypassed
-        graph = partitioned.graph_module.graph
-        reduce = next(n for n in graph.nodes if n.target is functional.all_reduce.default
-                      and list(n.meta["nn_module_stack"].values())[-1][0] == drop)
-        wait = next(iter(reduce.users))
-        wait.replace_all_uses_with(reduce.args[0])
-        graph.erase_node(wait)
-        graph.erase_node(reduce)
-        partitioned.graph_module.recompile()
+        drop_all_reduce(partitioned, drop)
     heads = [n.meta["val"].shape[1] for n in partitioned.graph_module.graph.nodes
              if n.target is aten.scaled_dot_product_attention.default]
     report = partitioned.report()

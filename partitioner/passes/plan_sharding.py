@@ -33,7 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..context import PassContext
-from ..placement import Partial, Replicate, any_sharded, is_sharded, shard_widths, unit_of
+from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
 from ..errors import InvariantError, PartitionError
 from ..propagate import sweep
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
@@ -110,22 +110,18 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
     return result
 
 
-def _offsets(blocks) -> list[int]:
-    return [sum(blocks[:i]) for i in range(len(blocks) + 1)]
-
-
 def _refined_packing(current: tuple[int, ...] | None, total: int, request: tuple[int, ...]) -> tuple[int, ...] | None:
     """The seed's packed blocks with a split request's cuts added. A request is in the coordinates of the value that
     is split: the seed's whole output, or one piece of it (a fused qkv + MLP projection split in two, then the qkv
     piece in three): a piece is found as the one run of the current blocks of its size. A request some run already
     satisfies changes nothing; None when no run, or more than one, fits."""
     base = current or (total,)
-    offsets = _offsets(base)
+    offsets = block_offsets(base)
     starts = [0] if sum(request) == total else [
         offsets[i] for i in range(len(offsets)) for j in range(i + 1, len(offsets))
         if offsets[j] - offsets[i] == sum(request)]
     candidates = [tuple(b - a for a, b in zip(cuts, cuts[1:])) for cuts in
-                  (sorted(set(offsets) | {start + offset for offset in _offsets(request)}) for start in starts)]
+                  (sorted(set(offsets) | {start + offset for offset in block_offsets(request)}) for start in starts)]
     if base in candidates:
         return base
     return candidates[0] if len(candidates) == 1 else None

@@ -14,11 +14,11 @@ A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decor
 """
 
 from . import attention, collectives, indexing, linear, reductions, views  # noqa: F401  (they register their rules)
-from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all, rule_for,
-                   shape_of)
+from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all,
+                   rule_for, shape_of)
 from .pointwise import pointwise
 from .views import view_groups, view_placement
 from ..errors import PartitionError
 
-__all__ = ["RULES", "Decision", "LinearRoles", "NeedsPacking", "NeedsUnit", "PartitionError", "Unshardable", "pointwise",
-           "register", "replicate_all", "rule_for", "shape_of", "view_groups", "view_placement"]
+__all__ = ["RULES", "Decision", "LinearRoles", "NeedsPacking", "NeedsUnit", "PartitionError", "Unshardable",
+           "pointwise", "register", "replicate_all", "rule_for", "shape_of", "view_groups", "view_placement"]

@@ -11,9 +11,9 @@ import torch
 from torch.fx import Node
 
 from ..errors import PartitionError
-from ..placement import PackedShard, Shard, is_sharded, packed_shard, unit_of
-from .core import (R, Decision, NeedsPacking, NeedsUnit, Unshardable, norm_dim, register, replicate_all, same_as_input, shape_of,
-                   sharded_inputs, with_dim)
+from ..placement import PackedShard, Shard, block_offsets, is_sharded, packed_shard, unit_of
+from .core import (R, Decision, NeedsPacking, NeedsUnit, Unshardable, norm_dim, register, replicate_all, same_as_input,
+                   shape_of, sharded_inputs, with_dim)
 
 aten = torch.ops.aten
 
@@ -75,10 +75,13 @@ def _alternatives(heads: int, devices: int) -> str:
     return " or ".join(f"{{'tp': {tp}, '{axis}': {devices // tp}}}" for axis in ("ulysses", "ring", "dp"))
 
 
-def view_placement(placement, in_shape, out_shape, axis_size: int, *, units: bool, source: Node | None = None):
+def view_placement(placement, in_shape, out_shape, axis_size: int, *, units: bool, source: Node | None = None,
+                   groups: tuple[list[int], int, list[int]] | None = None):
     """The placement a view (reshape) of ``in_shape`` into ``out_shape`` gives a sharded input: Unshardable, or
-    ``NeedsUnit`` (naming ``source``) when whole units would carry it."""
-    group_in, lead_out, group_out = _view_group(in_shape, out_shape, placement.dim)
+    ``NeedsUnit`` (naming ``source``) when whole units would carry it. ``groups``: the input dims merged with the
+    sharded one, the output dim taking its sharding and the output dims it splits into, when the op names them
+    (unflatten, flatten); else read from the shapes."""
+    group_in, lead_out, group_out = groups or _view_group(in_shape, out_shape, placement.dim)
     if _passes_through(in_shape, out_shape, placement.dim) and in_shape[placement.dim] == out_shape[lead_out]:
         return with_dim(placement, lead_out)
     return regroup(placement, source, in_shape, out_shape, group_in, lead_out, group_out, axis_size, units)
@@ -151,26 +154,21 @@ def view(node: Node, placements, axis_size: int, units: bool = False) -> Decisio
         count = len(node.args[2])
         if sharded != dim:
             return Decision(with_dim(placement, sharded + (count - 1) * (sharded > dim)), {source: placement})
-        group_in, group_out = [dim], list(range(dim, dim + count))
-        lead_out = next((d for d in group_out if out_shape[d] != 1), dim)
+        group_out = list(range(dim, dim + count))
+        groups = [dim], next((d for d in group_out if out_shape[d] != 1), dim), group_out
     elif node.target is aten.flatten.using_ints:
         start, end = (norm_dim(d, len(in_shape)) for d in (list(node.args[1:3]) + [0, -1][len(node.args) - 1:]))
         if not start <= sharded <= end:
             return Decision(with_dim(placement, sharded - (end - start) * (sharded > end)), {source: placement})
-        group_in, lead_out, group_out = list(range(start, end + 1)), start, [start]
+        groups = list(range(start, end + 1)), start, [start]
         if any(in_shape[d] != 1 for d in range(start, sharded)):
             raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {sharded} with the dims before it")
     else:
-        if units:
-            too_few_heads(node, axis_size)
-        return Decision(view_placement(placement, in_shape, out_shape, axis_size, units=units, source=source),
-                        {source: placement})
-    if _passes_through(in_shape, out_shape, sharded) and in_shape[sharded] == out_shape[lead_out]:
-        return Decision(with_dim(placement, lead_out), {source: placement})
+        groups = None
     if units:
         too_few_heads(node, axis_size)
-    out = regroup(placement, source, in_shape, out_shape, group_in, lead_out, group_out, axis_size, units)
-    return Decision(out, {source: placement})
+    return Decision(view_placement(placement, in_shape, out_shape, axis_size, units=units, source=source,
+                                   groups=groups), {source: placement})
 
 
 @register(*_VIEWS, axis="tensor")
@@ -270,15 +268,11 @@ def _slice_bounds(node: Node, size: int, dim_arg: int = 1) -> tuple[int, int] | 
     return (start + size if start < 0 else start), min(end + size if end < 0 else end, size)
 
 
-def _offsets(blocks: tuple[int, ...]) -> list[int]:
-    return [sum(blocks[:i]) for i in range(len(blocks) + 1)]
-
-
 def block_range(node: Node, placement: PackedShard, dim_arg: int = 1) -> tuple[int, int] | None:
     """The blocks ``[i, j)`` of ``placement`` that ``node`` (a slice, or a slice_scatter with ``dim_arg`` 2) covers
     exactly, with step 1; None when it cuts a block."""
     bounds = _slice_bounds(node, sum(placement.blocks), dim_arg)
-    offsets = _offsets(placement.blocks)
+    offsets = block_offsets(placement.blocks)
     if bounds is None or bounds[0] not in offsets or bounds[1] not in offsets or bounds[1] <= bounds[0]:
         return None
     return offsets.index(bounds[0]), offsets.index(bounds[1])
@@ -291,7 +285,8 @@ def _refined_blocks(node: Node, placement) -> tuple[int, ...] | None:
     bounds = _slice_bounds(node, size)
     if bounds is None:
         return None
-    cuts = sorted(set(_offsets(placement.blocks if isinstance(placement, PackedShard) else (size,))) | set(bounds))
+    layout = placement.blocks if isinstance(placement, PackedShard) else (size,)
+    cuts = sorted(set(block_offsets(layout)) | set(bounds))
     refined = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
     return refined if len(refined) > 1 else None
 
@@ -324,10 +319,11 @@ def split(node: Node, placements, axis_size: int) -> Decision:
         out_dim = placement.dim - (node.target is aten.unbind.int and dim < placement.dim)
         return Decision(tuple(with_dim(placement, out_dim) for _ in pieces), {source: placement})
     blocks = tuple(int(p.shape[dim]) for p in pieces)
-    offsets = _offsets(placement.blocks) if isinstance(placement, PackedShard) else []
-    if isinstance(placement, PackedShard) and set(_offsets(blocks)) <= set(offsets):
+    offsets = block_offsets(placement.blocks) if isinstance(placement, PackedShard) else []
+    cuts = block_offsets(blocks)
+    if isinstance(placement, PackedShard) and set(cuts) <= set(offsets):
         # every piece is a run of whole blocks: its part of the layout (a fused qkv + MLP split, then each split)
-        runs = [(offsets.index(a), offsets.index(b)) for a, b in zip(_offsets(blocks), _offsets(blocks)[1:])]
+        runs = [(offsets.index(a), offsets.index(b)) for a, b in zip(cuts, cuts[1:])]
         return Decision(tuple(blocks_placement(placement, i, j, axis_size) for i, j in runs), {source: placement})
     if not (isinstance(placement, PackedShard) and len(placement.blocks) > 1) and len(blocks) > 1 \
             and _splits(blocks, unit_of(placement), axis_size):

@@ -85,6 +85,19 @@ def broken_rule(target, rule):
                 RULES[key] = previous
 
 
+def drop_all_reduce(partitioned, module_path: str) -> None:
+    """Test-only fault injection (a negative control): bypass the all_reduce after ``module_path``'s linear in this
+    rank's graph, leaving its output a per-rank partial sum."""
+    graph = partitioned.graph_module.graph
+    reduce = next(n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+                  and list(n.meta["nn_module_stack"].values())[-1][0] == module_path)
+    wait = next(iter(reduce.users))
+    wait.replace_all_uses_with(reduce.args[0])
+    graph.erase_node(wait)
+    graph.erase_node(reduce)
+    partitioned.graph_module.recompile()
+
+
 def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -172,4 +185,4 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int):
         dist.destroy_process_group()
 
 
-__all__ = ['RankFailure', 'RankPool', 'broken_rule', 'fake_mesh', 'launch', 'run_ranks']
+__all__ = ['RankFailure', 'RankPool', 'broken_rule', 'drop_all_reduce', 'fake_mesh', 'launch', 'run_ranks']
