@@ -1,6 +1,6 @@
 """``python -m partitioner report``: plan a deployment on meta weights.
 
-    python -m partitioner report --model minimax-h3 --mesh tp=8,ulysses=4 --seq-len 37888 \\
+    python -m partitioner report --model minimax-h3 --mesh tp=8,ring=2,ulysses=4 --seq-len 37888 \\
         --dtype bfloat16 --device-memory 24GiB [--json]
     python -m partitioner report --model minimax-h3 --search --devices 64 --device-memory 24GiB --seq-len 37888
     python -m partitioner report --config path/to/config.json --mesh tp=8 --seq-len 8192
@@ -31,14 +31,14 @@ def _gib(n: float) -> str:
 
 
 def _table(estimates: list[planner.LayoutEstimate]) -> str:
-    lines = [f"{'tp':>3} {'ulysses':>7} {'replicas':>8} {'params':>11} {'activations':>11} {'total':>11} "
+    lines = [f"{'tp':>3} {'ring':>4} {'ulysses':>7} {'replicas':>8} {'params':>11} {'activations':>11} {'total':>11} "
              f"{'fits':>5} {'comm/step':>11} {'compute ms':>10} {'comm ms':>8} {'step ms':>8} {'req/s':>6}"]
     for e in estimates:
         if e.error:
-            lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8}  impossible: {e.error}")
+            lines.append(f"{e.tp:>3} {e.ring:>4} {e.ulysses:>7} {e.replicas:>8}  impossible: {e.error}")
             continue
         fits = {None: "-", True: "yes", False: "no"}[e.fits]
-        lines.append(f"{e.tp:>3} {e.ulysses:>7} {e.replicas:>8} {_gib(sum(e.parameter_bytes.values())):>11} "
+        lines.append(f"{e.tp:>3} {e.ring:>4} {e.ulysses:>7} {e.replicas:>8} {_gib(sum(e.parameter_bytes.values())):>11} "
                      f"{_gib(e.activation_bytes):>11} {_gib(e.memory_bytes):>11} {fits:>5} "
                      f"{_gib(sum(e.collective_bytes.values())):>11} {e.compute_s * 1e3:>10.1f} "
                      f"{e.comm_s * 1e3:>8.1f} {e.step_s * 1e3:>8.1f} {e.requests_per_s:>6.2f}")
@@ -46,7 +46,7 @@ def _table(estimates: list[planner.LayoutEstimate]) -> str:
 
 
 def _detail(e: planner.LayoutEstimate) -> str:
-    lines = [f"layout tp={e.tp} x ulysses={e.ulysses} (rank 0)"]
+    lines = [f"layout {e.layout} (rank 0)"]
     lines += [f"  parameters {dtype:<10} {_gib(size)}" for dtype, size in sorted(e.parameter_bytes.items())]
     lines += [f"  {which} rank {r['rank']}: {r['parameter_count']:,} parameters, {_gib(r['bytes'])}"
               for which, r in e.parameter_ranks.items()]
@@ -65,15 +65,15 @@ def report(args) -> int:
     cost = planner.CostModel(args.tflops, args.link_gbps)
     memory = planner.parse_bytes(args.device_memory) if args.device_memory else None
     if args.search:
-        estimates = planner.search(model, inputs, args.devices, cost, memory)
+        estimates = planner.search(model, inputs, args.devices, cost, memory, ring=not args.no_ring)
     else:
         mesh = args.mesh or {"tp": 1}
-        unknown = set(mesh) - {"tp", "ulysses"}
+        unknown = set(mesh) - {"tp", "ring", "ulysses"}
         if unknown:
-            raise MeshError(f"unknown mesh dim names {sorted(unknown)}: use tp and ulysses")
+            raise MeshError(f"unknown mesh dim names {sorted(unknown)}: use tp, ring and ulysses")
         traced = planner.trace(model, inputs)
         estimates = [planner.estimate(traced, type(model).__name__, mesh.get("tp", 1), mesh.get("ulysses", 1),
-                                      cost=cost, device_memory=memory)]
+                                      cost=cost, device_memory=memory, ring=mesh.get("ring", 1))]
     if args.json:
         print(json.dumps([e.as_dict() for e in estimates], indent=2))
     elif args.search:
@@ -91,11 +91,12 @@ def main(argv=None) -> int:
     source = rep.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", choices=sorted(planner.MODELS))
     source.add_argument("--config", help="a diffusers config.json, or the folder holding it")
-    rep.add_argument("--mesh", type=_mesh, help="axis sizes, e.g. tp=8,ulysses=4")
+    rep.add_argument("--mesh", type=_mesh, help="axis sizes, e.g. tp=8,ring=2,ulysses=4")
     rep.add_argument("--seq-len", type=int, required=True, help="packed sequence rows of one request")
     rep.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     rep.add_argument("--device-memory", help="memory of one device, e.g. 24GiB")
-    rep.add_argument("--search", action="store_true", help="rank every (tp, ulysses) layout on --devices")
+    rep.add_argument("--search", action="store_true", help="rank every (tp, ring, ulysses) layout on --devices")
+    rep.add_argument("--no-ring", action="store_true", help="search only ring=1 layouts (tp x ulysses)")
     rep.add_argument("--devices", type=int, default=8)
     rep.add_argument("--tflops", type=float, default=planner.CostModel.tflops)
     rep.add_argument("--link-gbps", type=float, default=planner.CostModel.link_gbps)

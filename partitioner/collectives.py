@@ -81,17 +81,27 @@ def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
     return out if bias is None else out + bias
 
 
-def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):
+QUERY_CHUNK = 1024  # query rows per score matrix where no fused kernel returns the log-sum-exp
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                     fused: bool | None = None):
     """Attention of all queries over one block of keys: (output, log-sum-exp of the scores per query row), both in
-    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores (a
-    ``[rows, block rows]`` matrix per head: a fused kernel with the log-sum-exp is still to be used there)."""
-    if q.device.type == "cpu":  # (half types widened: each block's output is merged before any rounding)
+    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores,
+    ``QUERY_CHUNK`` query rows at a time so that a score matrix stays ``[heads, QUERY_CHUNK, block rows]`` (a fused
+    kernel with the log-sum-exp is still to be used there). ``fused`` overrides the choice (tests)."""
+    if q.device.type == "cpu" if fused is None else fused:  # (half types widened: merged before any rounding)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(_wide(q), _wide(k), _wide(v), 0.0,
                                                                              False, scale=scale)
         return out, lse.float()
-    scores = _wide(q) @ _wide(k).transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ _wide(v), lse
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keys, values = _wide(k).transpose(-2, -1), _wide(v)
+    outs, lses = [], []
+    for rows in _wide(q).split(QUERY_CHUNK, dim=-2):
+        scores = rows @ keys * scale
+        lses.append(torch.logsumexp(scores, dim=-1))
+        outs.append(torch.softmax(scores, dim=-1) @ values)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks: int, index: int,
@@ -128,9 +138,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         block_out, block_lse = _attention_block(q, k, v, scale)
         if out is None:
             out, lse = block_out, block_lse
-        else:
+        else:  # in place: the running output and this block's are the only float32 buffers held
             merged = torch.logaddexp(lse, block_lse)
-            out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+            out = out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(
+                block_out.mul_(torch.exp(block_lse - merged).unsqueeze(-1)))
             lse = merged
         if pending is not None:
             received = functional.wait_tensor(pending)

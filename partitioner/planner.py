@@ -1,14 +1,16 @@
-"""Deployment planning on meta weights: what one rank holds and moves under a (tp, ulysses) layout, whether it
-fits a device, and a search over layouts ranked by an estimated step time. No weight is ever allocated.
+"""Deployment planning on meta weights: what one rank holds and moves under a (tp, ring, ulysses) layout, whether
+it fits a device, and a search over layouts ranked by an estimated step time. No weight is ever allocated.
 
 The step-time model, stated so it can be argued with:
 
     step = flops / peak_flops  +  sum over collectives of (bytes x algorithm factor) / link_bandwidth
 
 - ``flops``: this rank's matmul and attention work, read off its partitioned graph (linear: 2 x rows x in x out;
-  attention: 4 x heads x query rows x key rows x head_dim). Elementwise ops and memory traffic are ignored.
+  attention: 4 x heads x query rows x key rows x head_dim; a ring attention's key rows are the whole ring's).
+  Elementwise ops and memory traffic are ignored.
 - collective bytes per call are the result bytes on this rank; ring factors: all_reduce 2(n-1)/n,
-  all_gather and all_to_all (n-1)/n, for a group of n ranks.
+  all_gather and all_to_all (n-1)/n, for a group of n ranks; a ring attention's pass sends its key/value block
+  once to the next rank (factor 1, counted ring - 1 times per attention).
 - compute and communication do not overlap (pessimistic), and there is no per-collective latency term.
 Defaults describe one Trainium2 logical core (``--tflops 80``, ``--link-gbps 100``); set them for your hardware.
 """
@@ -31,7 +33,7 @@ from .trace import trace
 aten = torch.ops.aten
 MODELS = {"minimax-h3": "MiniMaxH3Transformer3DModel"}
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-            "all_to_all": lambda n: (n - 1) / n}
+            "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0}
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class CostModel:
 class LayoutEstimate:
     tp: int
     ulysses: int
-    replicas: int  # devices / (tp x ulysses): independent copies, one request each
+    replicas: int  # devices / (tp x ring x ulysses): independent copies, one request each
     parameter_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes on rank 0
     parameter_count: int = 0  # parameter elements on rank 0
     # the ranks with the most and the fewest parameter bytes (uneven splits): {"largest": {"rank",
@@ -57,6 +59,12 @@ class LayoutEstimate:
     comm_s: float = 0.0
     device_memory: int | None = None
     error: str | None = None  # why this layout is impossible
+    ring: int = 1
+
+    @property
+    def layout(self) -> str:
+        return " x ".join(f"{axis}={size}" for axis, size in (("tp", self.tp), ("ring", self.ring),
+                                                              ("ulysses", self.ulysses)) if size > 1 or axis == "tp")
 
     @property
     def memory_bytes(self) -> int:
@@ -140,21 +148,25 @@ def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = to
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> float:
+    from .collectives import ring_attention
+
     flops = 0.0
     for node in gm.graph.nodes:
         if node.target is aten.linear.default:
             flops += 2 * node.meta["val"].numel() * node.args[1].meta["val"].shape[1]
-        elif node.target is aten.scaled_dot_product_attention.default:
+        elif node.target in (aten.scaled_dot_product_attention.default, ring_attention):
             q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-            flops += 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+            keys = sum(node.args[4]) if node.target is ring_attention else k.shape[-2]  # every block of the ring
+            flops += 4 * q.shape[:-2].numel() * q.shape[-2] * keys * q.shape[-1]
     return flops
 
 
 def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None = None,
-             cost: CostModel = CostModel(), device_memory: int | None = None) -> LayoutEstimate:
+             cost: CostModel = CostModel(), device_memory: int | None = None, ring: int = 1) -> LayoutEstimate:
     """Partition a copy of ``traced`` for rank 0 (the largest share where splits are uneven) and cost it."""
-    result = LayoutEstimate(tp, ulysses, (devices or tp * ulysses) // (tp * ulysses), device_memory=device_memory)
-    mesh = as_mesh_spec({"tp": tp, "ulysses": ulysses}, rank=0)
+    ranks = tp * ring * ulysses
+    result = LayoutEstimate(tp, ulysses, (devices or ranks) // ranks, device_memory=device_memory, ring=ring)
+    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
     try:
         partitioned = partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)),
                                        mesh, model_name)
@@ -174,15 +186,18 @@ def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None
     return result
 
 
-def layouts(devices: int) -> list[tuple[int, int]]:
-    """Every (tp, ulysses) whose product divides ``devices`` (the rest are replicas)."""
-    return [(tp, u) for tp in range(1, devices + 1) for u in range(1, devices // tp + 1) if devices % (tp * u) == 0]
+def layouts(devices: int, ring: bool = True) -> list[tuple[int, int, int]]:
+    """Every (tp, ring, ulysses) whose product divides ``devices`` (the rest are replicas); ring 1 only when
+    ``ring`` is false."""
+    return [(tp, r, u) for tp in range(1, devices + 1) for r in range(1, (devices // tp if ring else 1) + 1)
+            for u in range(1, devices // (tp * r) + 1) if devices % (tp * r * u) == 0]
 
 
 def search(model: torch.nn.Module, inputs, devices: int, cost: CostModel = CostModel(),
-           device_memory: int | None = None) -> list[LayoutEstimate]:
+           device_memory: int | None = None, ring: bool = True) -> list[LayoutEstimate]:
     """Every layout on ``devices``, possible ones first, those that fit first, fastest first. One trace serves
     all of them."""
     traced = trace(model, inputs)
-    found = [estimate(traced, type(model).__name__, tp, u, devices, cost, device_memory) for tp, u in layouts(devices)]
+    found = [estimate(traced, type(model).__name__, tp, u, devices, cost, device_memory, ring=r)
+             for tp, r, u in layouts(devices, ring)]
     return sorted(found, key=lambda e: (e.error is not None, e.fits is False, e.step_s))

@@ -118,10 +118,36 @@ def _nbytes(val) -> int:
     return 0
 
 
+def _workspace(node) -> int:
+    """Bytes an op holds only while it runs: eager rms_norm's intermediate product (a composite of pow, mean,
+    rsqrt and two muls), an all_to_all's send and receive buffers, an all_gather's gathered buffer, a ring
+    attention's key/value blocks in flight (the one it sends on and the one arriving), its float32 partial
+    results (the running output and this block's, merged in place) and, off CPU, each block's scores."""
+    from .collectives import QUERY_CHUNK, all_gather, all_to_all, ring_attention
+
+    if node.target is torch.ops.aten.rms_norm.default:
+        return _nbytes(node.meta["val"])
+    if node.target is all_to_all:
+        return 2 * _nbytes(node.meta["val"])
+    if node.target is all_gather:
+        return _nbytes(node.meta["val"])
+    if node.target is not ring_attention:
+        return 0
+    q, k, v = (n.meta["val"] for n in node.args[:3])
+    blocks = 2 * _nbytes((k, v)) + 2 * q.numel() * 4
+    if q.device.type == "cpu":
+        return blocks
+    # elsewhere (and on meta weights, as the planner sizes it) float32 scores and their softmax are materialised,
+    # QUERY_CHUNK query rows at a time: the fused kernel that returns the log-sum-exp is used on CPU only
+    chunk = q.numel() // q.shape[-1] // q.shape[-2] * min(q.shape[-2], QUERY_CHUNK)
+    return blocks + 2 * chunk * max(node.args[4]) * 4
+
+
 def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
     """Peak bytes of live intermediate values when the graph runs in order and frees each value after its last
-    use. Views allocate nothing; model tensors are counted as parameters, not here. Allocator caching, kernel
-    workspaces and fusion are not modelled: an estimate for comparing layouts, not a promise."""
+    use, plus what an op holds while it runs (``_workspace``). Views allocate nothing; model tensors are counted as
+    parameters, not here. Allocator caching, other kernels' workspaces and fusion are not modelled: an estimate
+    for comparing layouts, not a promise (``benchmarks/sequence_memory.py`` compares it with a measured peak)."""
     model_tensors = {n for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     last_use = {}
     for index, node in enumerate(gm.graph.nodes):
@@ -132,7 +158,7 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
         if node not in model_tensors and node.op != "output" and not _is_view(node):
             sizes[node] = _nbytes(node.meta.get("val"))
             live += sizes[node]
-            peak = max(peak, live)
+            peak = max(peak, live + _workspace(node))
         for source in set(node.all_input_nodes):
             if last_use.get(source) == index:
                 live -= sizes.pop(source, 0)

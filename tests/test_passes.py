@@ -436,7 +436,7 @@ def test_view_placement_against_brute_force(a, b, degree, units, data):
     """Whenever a view carries a sharded dim (even, uneven, or in whole units) to an output placement, every
     rank's elements are exactly its slices of the output: checked element by element on an arange. A request for
     coarser units (NeedsUnit) is honoured by the next try."""
-    from partitioner.placement import packed_shard
+    from partitioner.placement import packed_shard, unit_of
     from partitioner.rules import NeedsUnit, Unshardable, view_placement
 
     in_shape, out_shape = a + [math.prod(b)], b + [math.prod(a)]
@@ -447,8 +447,8 @@ def test_view_placement_against_brute_force(a, b, degree, units, data):
     placement = packed_shard(dim, (in_shape[dim],), unit, degree)
     try:
         out = view_placement(placement, in_shape, out_shape, degree, units=units)
-    except NeedsUnit as request:
-        assert units and request.unit % unit == 0 and request.unit > unit
+    except NeedsUnit as request:  # coarser than the placement's unit (an even split normalises its unit to 1)
+        assert units and request.unit % unit_of(placement) == 0 and request.unit > unit_of(placement)
         if in_shape[dim] % request.unit or in_shape[dim] // request.unit < degree:
             return
         placement = packed_shard(dim, (in_shape[dim],), request.unit, degree)

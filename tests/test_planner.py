@@ -40,6 +40,9 @@ def test_full_size_h3_on_meta_in_seconds_and_little_memory():
     assert 0 < layout["parameter_bytes"]["float32"] < 2**30
     assert set(layout["collective_bytes"]) == {"all_reduce", "all_to_all", "all_gather"}
     assert layout["compute_s"] > layout["comm_s"] > 0
+    # each rank builds only its rows of the packed sequence: 0.67 GiB (1.52 GiB when it was built whole; TP=8
+    # alone: 1.55 GiB)
+    assert layout["activation_bytes"] < 0.75 * 2**30
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +81,40 @@ def test_search_ranks_layouts(tiny_config):
     impossible ones with the reason."""
     result = json.loads(run_cli("--config", str(tiny_config), "--search", "--devices", "8", "--seq-len", "64",
                                 "--json").stdout)
-    assert {(r["tp"], r["ulysses"]) for r in result} == set(layouts(8))
+    assert {(r["tp"], r["ring"], r["ulysses"]) for r in result} == set(layouts(8))
+    assert len(result) == 20 and (2, 2, 2) in set(layouts(8)) and len(layouts(8, ring=False)) == 10
     possible = [r for r in result if r["error"] is None]
     assert [r["step_s"] for r in possible] == sorted(r["step_s"] for r in possible)
-    impossible = {(r["tp"], r["ulysses"]): r["error"] for r in result if r["error"]}
-    assert "4 attention heads cannot be spread over a tp degree of 8" in impossible[(8, 1)]
-    assert all(r["replicas"] * r["tp"] * r["ulysses"] == 8 for r in result)
+    impossible = {(r["tp"], r["ring"], r["ulysses"]): r["error"] for r in result if r["error"]}
+    assert "4 attention heads cannot be spread over a tp degree of 8" in impossible[(8, 1, 1)]
+    assert all(r["replicas"] * r["tp"] * r["ring"] * r["ulysses"] == 8 for r in result)
+
+
+def test_ring_layouts_are_costed(tiny_config):
+    """A ring splits the attention work as Ulysses does (each rank: its query rows over every key, the same FLOPs),
+    moves its key/value blocks as ring passes instead of all_to_all, and its activations fall with the degree (the
+    estimate counts the blocks in flight, the float32 partial results and, planned on meta weights for a device
+    other than the CPU, the chunked float32 scores of each block: this tiny model's attention dominates it); a ring
+    longer than every sequence is impossible, with the reason."""
+    from partitioner import planner
+
+    model = planner.build_meta_model(str(tiny_config))
+    traced = {seq_len: planner.trace(model, planner.example_inputs(model, seq_len)) for seq_len in (16, 64, 4096)}
+
+    def report(mesh: str, seq_len: int = 64) -> dict:
+        sizes = {axis: int(size) for axis, size in (part.split("=") for part in mesh.split(","))}
+        return planner.estimate(traced[seq_len], type(model).__name__, sizes.get("tp", 1), sizes.get("ulysses", 1),
+                                ring=sizes.get("ring", 1)).as_dict()
+
+    ring, ulysses, whole = report("ring=2"), report("ulysses=2"), report("tp=1")
+    assert ring["ring"] == 2 and ring["replicas"] == 1
+    assert ring["flops"] == pytest.approx(ulysses["flops"], rel=1e-6) and ring["flops"] < 0.6 * whole["flops"]
+    assert set(ring["collective_bytes"]) == {"ring_pass", "all_gather"} and ring["comm_s"] > 0
+    activations = {mesh: report(mesh, 4096)["activation_bytes"] for mesh in ("ring=2", "ring=4")}
+    assert activations["ring=4"] < 0.6 * activations["ring=2"]
+    assert "a ring of 64 shards no attention" in report("ring=64", seq_len=16)["error"]
+    text = run_cli("--config", str(tiny_config), "--mesh", "tp=2,ring=2,ulysses=2", "--seq-len", "64").stdout
+    assert "layout tp=2 x ring=2 x ulysses=2" in text and "ring_pass" in text
 
 
 def test_bad_arguments_are_clear(tiny_config):

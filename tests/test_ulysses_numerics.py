@@ -98,7 +98,8 @@ def test_without_one_exchange_fails(layout):
 
 def test_exchanges_and_sharding_points(layout):
     """4 all_to_alls per main-block attention (q, k, v to heads; output back to sequence), 2 all_gathers after the
-    output heads; the sequence is sharded where it is built and per-row inputs are sliced at their source."""
+    output heads; the packed sequence is built sharded (each rank gathers its rows: only the per-row tables of which
+    source row lands where are sliced, at their source) and per-row inputs are sliced at their source."""
     name, results = layout
     blocks = TINY_H3["num_layers"]
     for rank, cases in enumerate(results):
@@ -106,7 +107,8 @@ def test_exchanges_and_sharding_points(layout):
         assert report.count("all_to_all") == 4 * blocks
         assert report.count("all_gather") == 2
         assert report.count("all_reduce") == (0 if name.startswith("u") else 11)
-        assert cases["plain"]["sharded_at"] == ["index_copy_2", "position_ids", "timestep_indices", "token_tags"]
+        assert cases["plain"]["sharded_at"] == ["position_ids", "source_row_of", "source_row_of_1", "source_row_of_2",
+                                                "timestep_indices", "token_tags"]
 
 
 def test_uneven_heads_and_rows(layout):

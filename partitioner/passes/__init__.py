@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (annotate_heads, hoist_host, insert_collectives, localize, pad_inputs, plan_batch, plan_sequence,
-               plan_sharding)
+from . import (annotate_heads, gather_scatters, hoist_host, insert_collectives, localize, pad_inputs, plan_batch,
+               plan_sequence, plan_sharding)
 from .runner import run_passes
 
 
@@ -34,6 +34,8 @@ PLAN = (
          "no value of the device graph has a data-dependent size; data-dependent ops run in a CPU prologue"),
     Pass("pad_inputs", pad_inputs.run, pad_inputs.check, ("hoist_host",),
          "input dims padded to a bucket are read only row by row and by indices checked against the real rows"),
+    Pass("gather_scatters", gather_scatters.run, gather_scatters.check, ("pad_inputs",),
+         "on a sequence-parallel mesh, a sequence built by index_copy is a gather of rows each rank can build alone"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
          "attentions and their projections carry meta['heads']; head splits infer the head count from head_dim"),
     Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("annotate_heads",),

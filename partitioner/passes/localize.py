@@ -4,7 +4,7 @@ Requires: insert_collectives has run (every edge is placed as required).
 Guarantees:
 - every parameter, buffer or constant placed sharded has a slicing spec in ``ctx.slice_specs`` (FQN ->
   {axis: placement}), the only place the loader learns how to cut it;
-- every op that names sizes (view, reshape, unflatten, expand) names this rank's sizes, and views are reshapes
+- every op that names sizes (view, reshape, unflatten, expand, new_zeros, full) names this rank's sizes, and views are reshapes
   (the trace's strides do not hold once collectives lay values out);
 - ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
   placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``meta["global_shape"]``
@@ -21,6 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..context import PassContext
 from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
+from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.views import block_range
 
 aten = torch.ops.aten
@@ -68,6 +69,9 @@ def _localize_sizes(node: Node, mesh) -> None:
         _localize_block_slice(node, mesh)
     elif node.target in _SIZED_VIEWS:
         node.args = (node.args[0], _expected_local(node, mesh))
+    elif node.target in SIZE_ARGUMENT:  # a tensor made sharded (a sequence buffer): made at this rank's size
+        index = SIZE_ARGUMENT[node.target]
+        node.args = (*node.args[:index], list(_expected_local(node, mesh)), *node.args[index + 1:])
     elif node.target is aten.unflatten.int:  # named sizes become local, an inferred (-1) one stays inferred
         dim, split = node.args[1], list(node.args[2])
         dim = dim % len(node.args[0].meta["global_shape"])

@@ -38,6 +38,7 @@ from ..propagate import sweep
 from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
+from ..rules.pointwise import SIZE_ARGUMENT
 
 R = Replicate()
 
@@ -65,7 +66,8 @@ def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = Tru
     return lengths, lengths - own, joint
 
 
-def _ancestors(nodes: list[Node]) -> set[Node]:
+def ancestors(nodes: list[Node]) -> set[Node]:
+    """Every node some node of ``nodes`` reads, directly or not."""
     seen, stack = set(), [n for node in nodes for n in node.all_input_nodes]
     while stack:
         node = stack.pop()
@@ -99,7 +101,10 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     the sequence back."""
     def adjust(node: Node, decision: Decision) -> Decision:
         if node in seeds and not any_sharded(decision.seen):
-            decision.visible = Shard(seeds[node])
+            if node.target in SIZE_ARGUMENT:  # a buffer (H3's packed sequence) is made at this rank's size
+                decision.output = Shard(seeds[node])
+            else:
+                decision.visible = Shard(seeds[node])
         return decision
 
     swept = sweep(gm, lambda node: rule_for(node, sequence_axis=axis), ctx.mesh.size(axis), adjust=adjust,
@@ -116,7 +121,11 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
         if failure.node in feeds_attention:
             # a joint-length value sharded whole meets the packed parts: it gives way (it is sliced to them)
             whole = {s for s in failure.seeds if shape_of(s)[seeds[s]] in joint}
-            for seed in (whole if whole and whole != failure.seeds else failure.seeds):
+            culprits = whole if whole and whole != failure.seeds else failure.seeds
+            # a value sharded along another length than the failing op's own gives way to the ones along it
+            # (H3's text rows, whose own attention is not sharded, meet the packed rows gathered from them)
+            other = {s for s in culprits if shape_of(s)[seeds[s]] not in (shape_of(failure.node) or ())}
+            for seed in (other if other and other != culprits else culprits):
                 failed.setdefault(seed, f"{failure.node.name}: {problem}")
     parts = {s: r for s, r in failed.items() if shape_of(s)[seeds[s]] not in joint}
     if parts and len(parts) < len(failed):  # drop failing parts first: a whole joint value may work without them
@@ -137,7 +146,7 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     packed blocks name global sizes, which an inner axis (Ulysses inside a ring shard) does not split."""
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
-    feeds_attention = _ancestors(attentions) | set(attentions)
+    feeds_attention = ancestors(attentions) | set(attentions)
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
     lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable and joint_parts)
@@ -201,7 +210,7 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         elif node in refused:
             found[where] = f"not sequence-sharded: {refused[node]}"
         else:
-            why = sorted(stopped[n.name] for n in _ancestors([node]) if n.name in stopped)
+            why = sorted(stopped[n.name] for n in ancestors([node]) if n.name in stopped)
             found[where] = ("not sequence-sharded: its query, key and value reach it whole"
                             + (f" (sharding stopped at {why[0]})" if why else
                                " (no input of it has the sequence length)"))

@@ -44,7 +44,7 @@ class NeedsPacking(Exception):
     blocks: tuple[int, ...]
 
     def __str__(self) -> str:
-        return f"{self.node.name} is split into blocks {list(self.blocks)} that its producer could not pack"
+        return f"{getattr(self.node, 'name', 'a value')} is split into blocks {list(self.blocks)} that its producer could not pack"
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class NeedsUnit(Exception):
     unit: int
 
     def __str__(self) -> str:
-        return f"{self.node.name} would be cut inside groups of {self.unit} that its producer could not keep whole"
+        return f"{getattr(self.node, 'name', 'a value')} would be cut inside groups of {self.unit} that its producer could not keep whole"
 
 
 @dataclass

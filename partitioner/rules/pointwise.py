@@ -16,6 +16,10 @@ SAME_AS_INPUT = (aten.zeros_like.default, aten.ones_like.default, aten.empty_lik
                  aten.dropout.default, aten.alias.default, aten.detach.default)
 # Take only dtype and device from their input: a new, whole tensor.
 CREATION_FROM = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+# Ops that make a tensor of a size they name (argument index), whatever their inputs hold: a rank can make just
+# its part of one (``localize`` names the local size).
+SIZE_ARGUMENT = {**{op: 1 for op in CREATION_FROM}, aten.zeros.default: 0, aten.ones.default: 0,
+                 aten.full.default: 0, aten.empty.memory_format: 0}
 
 
 @register("pointwise", aten.copy.default)  # copy: self's shape, src's values broadcast into it

@@ -27,7 +27,9 @@ equal tiles and moves data at the head reshapes, which is exact but is not the p
 
 Three ops are written out so that XLA keeps their operands sharded: Linear and attention as einsums
 (``aten.linear`` and ``scaled_dot_product_attention`` flatten batch dims into one, merging a sharded dim with an
-unsharded one), and layer_norm as reductions over its dims (torch_xla lowers it to batch-norm over the rows).
+unsharded one), and layer_norm as reductions over its dims (torch_xla lowers it to batch-norm over the rows). An
+attention whose keys a ring axis shards is written out as ring attention over equal sequence blocks, its key/value
+blocks passed on by collective-permutes (``ops._ring_attention``).
 
 The package: ``layouts`` (partition specs, ``Packed``, ``Nested``), ``ops`` (the written-out ops, ops on packed
 values), ``annotate`` (running the graph with its annotations), ``hlo`` (reading the partitioned HLO), ``program``
@@ -46,7 +48,7 @@ from ..base import Backend, register
 # What callers and tests import from ``partitioner.backends.xla`` (``_linear`` and ``_split_packed``: the packed-layout
 # tests).
 from .errors import CollectiveMismatch, XlaBackendError  # noqa: F401
-from .hlo import HloCollective, axis_of, compare, hlo_collectives  # noqa: F401
+from .hlo import HloCollective, axis_of, compare, hlo_collectives, plan_key, ring_of  # noqa: F401
 from .layouts import Nested, Packed, nested_uneven, packed_spec, partition_spec, uneven_splits  # noqa: F401
 from .ops import _linear, _split_packed  # noqa: F401
 from .program import XlaProgram, XlaStats  # noqa: F401
@@ -58,10 +60,6 @@ def lower(planned: GraphModule, *, mesh, collectives: Counter | None = None, ver
     False skips reading the HLO."""
     if verify and collectives is None:
         raise XlaBackendError("verify needs the plan's collectives")
-    if mesh.size("ring") > 1:
-        raise XlaBackendError(f"the mesh {mesh.sizes} has a ring axis; ring attention is not lowered to XLA SPMD yet "
-                              "(its key/value passing would be XLA's collective-permute): use a ulysses axis for XLA, "
-                              "or run the ring on the eager or inductor backends")
     uneven = uneven_splits(planned, mesh)
     if uneven and verify is True:
         raise XlaBackendError(

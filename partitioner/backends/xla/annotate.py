@@ -9,7 +9,10 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from .errors import XlaBackendError
 from .layouts import Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec, partition_spec
-from .ops import _SPLITS, _attention, _cat_as_packed, _layer_norm, _linear, _pointwise_packed, _split_packed
+from .ops import (_SPLITS, _attention, _cat_as_packed, _layer_norm, _linear, _pointwise_packed, _ring_attention,
+                  _split_packed)
+from ...placement import PackedShard, Shard, is_sharded
+from ...rules.attention import RING_AXES
 
 aten = torch.ops.aten
 
@@ -95,6 +98,8 @@ class _Annotator(Interpreter):
                 return packed
         if target is aten.linear.default:
             return _linear(*args, **kwargs)
+        if target is aten.scaled_dot_product_attention.default and self._ring_axis(node):
+            return self._ring(node, args, kwargs)
         if target is aten.scaled_dot_product_attention.default:
             nested = [a for a in args[:3] if isinstance(a, Nested)]
             if len(nested) == 3 and len({(n.dim, n.outer, n.local, n.tensor.shape[n.dim]) for n in nested}) == 1:
@@ -113,6 +118,38 @@ class _Annotator(Interpreter):
             return packed
         args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fused)
         return target(*args, **kwargs)
+
+    def _ring_axis(self, node: Node) -> str | None:
+        key = node.args[1]
+        return next((axis for axis in RING_AXES if axis in self.mesh.axis_names and self.mesh.size(axis) > 1
+                     and is_sharded(node.meta["required"].get(axis, {}).get(key))), None)
+
+    def _ring(self, node: Node, args, kwargs):
+        """An attention whose keys the ring shards (``ops._ring_attention``). Only equal blocks of a plain sequence
+        shard: XLA's tiles are equal, and a packed joint sequence's blocks are not contiguous."""
+        axis, (q, k, v) = self._ring_axis(node), args[:3]
+        ring, required = self.mesh.size(axis), node.meta["required"]
+        placements = {a: required[a].get(node.args[1]) for a in required}
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or isinstance(placements[axis], PackedShard) \
+                or placements[axis] != Shard(2):
+            raise XlaBackendError(f"{node.name}: ring attention over a packed (joint) sequence or padded heads is not "
+                                  "lowered to XLA SPMD; use a ulysses axis for this model on XLA, or the eager or "
+                                  "inductor backends")
+        if q.shape[2] % ring or k.shape[2] % ring:
+            raise XlaBackendError(f"{node.name}: {q.shape[2]} query and {k.shape[2]} key rows over a ring of {ring}: "
+                                  "XLA's equal tiles need a sequence length the ring degree divides; pad the "
+                                  "sequence, pick another ring degree, or use the eager or inductor backends")
+        if kwargs.get("attn_mask") is not None or kwargs.get("is_causal") or len(args) > 3:
+            raise XlaBackendError(f"{node.name}: masked or causal ring attention is not lowered")
+        others = {a: p for a, p in placements.items() if a != axis and is_sharded(p)}
+        if any(p.dim >= 2 for p in others.values()):
+            raise XlaBackendError(f"{node.name}: its sequence or head_dim is sharded over {sorted(others)} too")
+        blocks = {**others, axis: Shard(2)}  # [batch, heads, ring, rows, d]: heads keep their axes
+
+        def annotate(value):
+            return _annotate(value, blocks, self.xs, self.xla_mesh, self.mesh_axes)
+
+        return _ring_attention(q, k, v, kwargs.get("scale"), ring, annotate)
 
     def output(self, target, args, kwargs):
         return torch.fx.node.map_aggregate(args[0], _fused)

@@ -60,9 +60,52 @@ def axis_of(groups, mesh) -> str:
     return f"groups {normalized}"
 
 
+def ring_of(pairs, mesh) -> str | None:
+    """The mesh axis whose groups ``pairs`` (a collective-permute's source-target pairs) pass a block round, each
+    rank to its next (or previous) in every group of the axis: a ring attention's step."""
+    for axis in mesh.axis_names:
+        groups = mesh.groups(axis)
+        if len(groups[0]) < 2:
+            continue
+        forward = {(g[i], g[(i + 1) % len(g)]) for g in groups for i in range(len(g))}
+        if set(map(tuple, pairs)) in (forward, {(b, a) for a, b in forward}):
+            return axis
+    return None
+
+
+def plan_key(collective: HloCollective, mesh) -> tuple[str, str]:
+    """(kind, axis) as the plan counts collectives: a collective-permute between ring neighbours is a ring pass;
+    any other permute is counted apart ("pairs"), the plan having none."""
+    if collective.kind == "collective_permute":
+        axis = ring_of(collective.groups, mesh)
+        return ("ring_pass", axis) if axis else ("collective_permute", "pairs")
+    return collective.kind, axis_of(collective.groups, mesh)
+
+
+def _joint_axes(groups, mesh) -> list[str] | None:
+    """The mesh axes (two or more, adjacent in mesh order) whose joint groups are ``groups``: XLA gathers a dim
+    that several axes shard in one all-gather over all of their devices, where the plan gathers axis by axis."""
+    normalized = sorted(sorted(group) for group in groups) or [list(range(mesh.world_size))]
+    ranks = torch.arange(mesh.world_size).reshape(mesh.axis_sizes)
+    names = mesh.axis_names
+    for start in range(len(names)):
+        for end in range(start + 2, len(names) + 1):
+            joint = ranks.movedim(list(range(start, end)), list(range(-(end - start), 0)))
+            if sorted(sorted(g) for g in joint.reshape(-1, math.prod(mesh.axis_sizes[start:end])).tolist()) \
+                    == normalized:
+                return [axis for axis in names[start:end] if mesh.size(axis) > 1]
+    return None
+
+
 def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
-    """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines."""
-    got = Counter((c.kind, "pairs" if c.kind == "collective_permute" else axis_of(c.groups, mesh)) for c in found)
+    """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines. One
+    all-gather over several axes' joint groups counts as the plan's gather over each of them."""
+    got = Counter()
+    for c in found:
+        joint = _joint_axes(c.groups, mesh) if c.kind == "all_gather" and axis_of(c.groups, mesh) not in \
+            mesh.axis_names else None
+        for key in ([("all_gather", axis) for axis in joint] if joint else [plan_key(c, mesh)]):
+            got[key] += 1
     problems = []
     for key in sorted(set(got) | set(planned)):
         if got[key] == planned[key]:
@@ -70,8 +113,7 @@ def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
         kind, axis = key
         line = f"{kind} over {axis}: XLA has {got[key]}, the plan {planned[key]}"
         if got[key] > planned[key]:
-            extra = [c for c in found if c.kind == kind and (kind == "collective_permute"
-                                                             or axis_of(c.groups, mesh) == axis)]
+            extra = [c for c in found if plan_key(c, mesh) == key]
             line += "; XLA's: " + ", ".join(f"{c.name} {c.shape} {[list(g) for g in c.groups]}" for c in extra[:8])
         problems.append(line)
     return problems

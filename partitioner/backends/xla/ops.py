@@ -44,6 +44,49 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale
     return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v)
 
 
+def _ring_blocks(x, ring: int):
+    """``[batch, heads, seq, d]`` as ``[batch, heads, ring, seq / ring, d]``: the ring's blocks on their own dim."""
+    return x.unflatten(2, (ring, x.shape[2] // ring))
+
+
+def _pass_on(blocks):
+    """Every rank's block to the next rank of the ring: the block dim rolled one place, written as the two slices
+    XLA's partitioner recognises as a rotation of a sharded dim (one collective-permute; ``torch.roll`` becomes
+    all-gathers and all-to-alls)."""
+    return torch.cat([blocks[:, :, -1:], blocks[:, :, :-1]], dim=2)
+
+
+def _ring_attention(q, k, v, scale, ring: int, annotate):
+    """Ring attention in SPMD form: q, k and v hold their sequence as ``ring`` equal blocks on a dim the ring axis
+    shards (``annotate(tensor)`` lays a 5-d value out so), each rank its block. At every step the key/value blocks
+    move one place along that dim (``_pass_on``), which XLA's partitioner turns into one collective-permute between
+    ring neighbours; each rank attends its query block over the key block it holds (the block dim is a batch dim of
+    the einsums: no communication) and merges the partial results by their log-sum-exp, as
+    ``collectives.ring_attention`` does, in float32 (each step's exchange is not overlapped with its compute
+    here: XLA schedules it)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    queries = annotate(_ring_blocks(q.to(wide), ring))
+    blocks = annotate(torch.cat([_ring_blocks(k.to(wide), ring), _ring_blocks(v.to(wide), ring)], -1))
+    out = lse = None
+    for step in range(ring):
+        if step:
+            blocks = annotate(_pass_on(blocks))
+        keys, values = blocks[..., :k.shape[-1]], blocks[..., k.shape[-1]:]
+        scores = annotate(torch.einsum("bhnqd,bhnkd->bhnqk", queries, keys) * scale)
+        block_lse = annotate(torch.logsumexp(scores, -1))
+        block_out = annotate(torch.einsum("bhnqk,bhnkd->bhnqd", scores.softmax(-1), values))
+        if out is None:
+            out, lse = block_out, block_lse
+        else:
+            top = torch.maximum(lse, block_lse)  # logaddexp, written out (torch_xla runs logaddexp on the host)
+            merged = annotate(top + torch.log(torch.exp(lse - top) + torch.exp(block_lse - top)))
+            out = annotate(out * torch.exp(lse - merged).unsqueeze(-1)
+                           + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+            lse = merged
+    return out.flatten(2, 3).to(q.dtype)
+
+
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     """``layer_norm`` as reductions over its own dims: torch_xla lowers it to batch-norm with the rows as features,
     which XLA's SPMD partitioner cannot keep sharded (it gathers the rows, then slices them again)."""
