@@ -99,13 +99,15 @@ def _joint_axes(groups, mesh) -> list[str] | None:
 
 def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
     """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines. One
-    all-gather over several axes' joint groups counts as the plan's gather over each of them."""
+    all-gather over several axes' joint groups, which the plan does not have as such, counts as the plan's gather
+    over each of those axes."""
     got = Counter()
     for c in found:
-        joint = _joint_axes(c.groups, mesh) if c.kind == "all_gather" and axis_of(c.groups, mesh) not in \
-            mesh.axis_names else None
-        for key in ([("all_gather", axis) for axis in joint] if joint else [plan_key(c, mesh)]):
-            got[key] += 1
+        key = plan_key(c, mesh)
+        joint = _joint_axes(c.groups, mesh) if c.kind == "all_gather" and key[1] not in mesh.axis_names \
+            and not planned.get(key) else None
+        for each in ([("all_gather", axis) for axis in joint] if joint else [key]):
+            got[each] += 1
     problems = []
     for key in sorted(set(got) | set(planned)):
         if got[key] == planned[key]:
