@@ -62,9 +62,14 @@ class MeshSpec:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every process group along ``axis``, as lists of global ranks."""
+        return self.joint_groups((axis,))
+
+    def joint_groups(self, axes) -> list[list[int]]:
+        """Every group of ranks that differ only along ``axes`` (their devices together), as lists of global ranks."""
         ranks = torch.arange(self.world_size).reshape(self.axis_sizes)
-        dim = self.axis_names.index(axis)
-        return ranks.movedim(dim, -1).reshape(-1, self.axis_sizes[dim]).tolist()
+        dims = [self.axis_names.index(axis) for axis in axes]
+        return ranks.movedim(dims, list(range(-len(dims), 0))).reshape(
+            -1, math.prod(self.axis_sizes[d] for d in dims)).tolist()
 
     def group_name(self, axis: str) -> str:
         return self.group_names[axis] if self.group_names is not None else f"plan:{axis}"

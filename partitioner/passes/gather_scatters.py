@@ -38,7 +38,7 @@ from ..context import PassContext
 from ..errors import InvariantError
 from ..mesh import SEQUENCE_AXES
 from ..rules.pointwise import SAME_AS_INPUT
-from .plan_sequence import ancestors
+from .plan_sequence import ancestors, sequence_lengths
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -46,21 +46,11 @@ _CASTS = set(SAME_AS_INPUT) - {aten.zeros_like.default, aten.ones_like.default, 
                                aten.full_like.default}
 
 
-def _sequence_lengths(gm: GraphModule) -> set[int]:
-    lengths = set()
-    for node in gm.graph.nodes:
-        if node.target is _ATTENTION:
-            q, k = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape
-            if len(q) == 4 and q[2] == k[2]:
-                lengths.add(q[2])
-    return lengths
-
-
 def _scatters(gm: GraphModule, ctx: PassContext) -> list[Node]:
     """The index_copy nodes along a self-attention's sequence length that feed an attention (not this pass's own
     per-row owner tables, nor one whose reads of a bucket-padded input are checked by name)."""
     attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION]
-    lengths, feeds = _sequence_lengths(gm), ancestors(attentions)
+    lengths, feeds = sequence_lengths(gm, attentions, parts=False)[0], ancestors(attentions)
     found = []
     for node in gm.graph.nodes:
         if node.target is not aten.index_copy.default or node not in feeds or node.name in ctx.padding_reads \

@@ -43,7 +43,7 @@ from ..rules.pointwise import SIZE_ARGUMENT
 R = Replicate()
 
 
-def _sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
+def sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
                       ) -> tuple[set[int], set[int], set[int]]:
     """All sequence lengths, the lengths of the parts a joint sequence is concatenated from (text and image rows of
     an MMDiT) that are no attention's own, and the joint lengths: each part is offered sharded on its own, so the
@@ -149,7 +149,7 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     feeds_attention = ancestors(attentions) | set(attentions)
     # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
     # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
-    lengths, parts, joint = _sequence_lengths(gm, attentions, parts=ctx.mesh.runnable and joint_parts)
+    lengths, parts, joint = sequence_lengths(gm, attentions, parts=ctx.mesh.runnable and joint_parts)
     small = {size for size in parts if size < ctx.mesh.size(axis)}  # (a register token: no rows for some ranks)
     lengths, parts = lengths - small, parts - small
     given = (ctx.given_sequence_seeds_by_axis or {}).get(axis, ctx.given_sequence_seeds)

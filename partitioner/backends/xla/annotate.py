@@ -11,7 +11,7 @@ from .errors import XlaBackendError
 from .layouts import Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec, partition_spec
 from .ops import (_SPLITS, _attention, _cat_as_packed, _layer_norm, _linear, _pointwise_packed, _ring_attention,
                   _split_packed)
-from ...placement import PackedShard, Shard, is_sharded
+from ...placement import Shard, is_sharded
 from ...rules.attention import RING_AXES
 
 aten = torch.ops.aten
@@ -98,8 +98,9 @@ class _Annotator(Interpreter):
                 return packed
         if target is aten.linear.default:
             return _linear(*args, **kwargs)
-        if target is aten.scaled_dot_product_attention.default and self._ring_axis(node):
-            return self._ring(node, args, kwargs)
+        ring_axis = self._ring_axis(node) if target is aten.scaled_dot_product_attention.default else None
+        if ring_axis is not None:
+            return self._ring(node, ring_axis, args, kwargs)
         if target is aten.scaled_dot_product_attention.default:
             nested = [a for a in args[:3] if isinstance(a, Nested)]
             if len(nested) == 3 and len({(n.dim, n.outer, n.local, n.tensor.shape[n.dim]) for n in nested}) == 1:
@@ -124,14 +125,13 @@ class _Annotator(Interpreter):
         return next((axis for axis in RING_AXES if axis in self.mesh.axis_names and self.mesh.size(axis) > 1
                      and is_sharded(node.meta["required"].get(axis, {}).get(key))), None)
 
-    def _ring(self, node: Node, args, kwargs):
+    def _ring(self, node: Node, axis: str, args, kwargs):
         """An attention whose keys the ring shards (``ops._ring_attention``). Only equal blocks of a plain sequence
         shard: XLA's tiles are equal, and a packed joint sequence's blocks are not contiguous."""
-        axis, (q, k, v) = self._ring_axis(node), args[:3]
+        q, k, v = args[:3]
         ring, required = self.mesh.size(axis), node.meta["required"]
         placements = {a: required[a].get(node.args[1]) for a in required}
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or isinstance(placements[axis], PackedShard) \
-                or placements[axis] != Shard(2):
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or placements[axis] != Shard(2):  # (packed: !=)
             raise XlaBackendError(f"{node.name}: ring attention over a packed (joint) sequence or padded heads is not "
                                   "lowered to XLA SPMD; use a ulysses axis for this model on XLA, or the eager or "
                                   "inductor backends")

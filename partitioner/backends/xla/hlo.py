@@ -86,13 +86,10 @@ def _joint_axes(groups, mesh) -> list[str] | None:
     """The mesh axes (two or more, adjacent in mesh order) whose joint groups are ``groups``: XLA gathers a dim
     that several axes shard in one all-gather over all of their devices, where the plan gathers axis by axis."""
     normalized = sorted(sorted(group) for group in groups) or [list(range(mesh.world_size))]
-    ranks = torch.arange(mesh.world_size).reshape(mesh.axis_sizes)
     names = mesh.axis_names
     for start in range(len(names)):
         for end in range(start + 2, len(names) + 1):
-            joint = ranks.movedim(list(range(start, end)), list(range(-(end - start), 0)))
-            if sorted(sorted(g) for g in joint.reshape(-1, math.prod(mesh.axis_sizes[start:end])).tolist()) \
-                    == normalized:
+            if sorted(sorted(g) for g in mesh.joint_groups(names[start:end])) == normalized:
                 return [axis for axis in names[start:end] if mesh.size(axis) > 1]
     return None
 
