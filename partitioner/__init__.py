@@ -1,7 +1,7 @@
 """partitioner: a compiler-pass based model partitioner for PyTorch."""
 
 from .api import Partitioned, partition
-from .backends.neuron import NeuronLegalityError
+from .backends.neuron import NeuronLegalityError, NeuronPerformanceWarning
 from .backends.xla import CollectiveMismatch, XlaBackendError
 from .errors import (BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError, MissingWeights,
                      NotFound, PartitionError, PartitionerError, PartitionUnusable, PartitionWarning,
@@ -11,6 +11,7 @@ from .placement import PackedShard
 from .plans import Plan, plan
 
 __all__ = ["BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
-           "MissingWeights", "NeuronLegalityError", "NotFound", "PackedShard", "PartitionError", "PartitionUnusable",
+           "MissingWeights", "NeuronLegalityError", "NeuronPerformanceWarning", "NotFound", "PackedShard",
+           "PartitionError", "PartitionUnusable",
            "PartitionWarning", "Partitioned", "PartitionerError", "Plan", "RankDisagreement", "TraceError",
            "VerificationError", "XlaBackendError", "parallelize", "partition", "plan"]

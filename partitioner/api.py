@@ -21,6 +21,7 @@ from .context import PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PLAN, TO_RANK, run_passes
+from .plan_view import write_html
 from .plans import Plan
 from .report import Report, build_report, collective_stats
 from .padding import pad_named, parse_buckets
@@ -412,5 +413,8 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
     gm = run_passes(gm, ctx, TO_RANK, dump)
     traced.graph_module, traced.inputs = gm, ctx.inputs
-    return Partitioned(model_name, traced, ctx, planned)
+    partitioned = Partitioned(model_name, traced, ctx, planned)
+    if dump.directory:  # the plan as a picture beside the pass dumps
+        write_html(partitioned, dump.directory / "plan.html")
+    return partitioned
 

@@ -1,18 +1,11 @@
 """Deployment planning on meta weights: what one rank holds and moves under a (tp, ring, ulysses) layout, whether
-it fits a device, and a search over layouts ranked by an estimated step time. No weight is ever allocated.
+it fits a device, and a search over layouts ranked by a physical step-time model. No weight is ever allocated.
 
-The step-time model, stated so it can be argued with:
-
-    step = flops / peak_flops  +  sum over collectives of (bytes x algorithm factor) / link_bandwidth
-
-- ``flops``: this rank's matmul and attention work, read off its partitioned graph (linear: 2 x rows x in x out;
-  attention: 4 x heads x query rows x key rows x head_dim; a ring attention's key rows are the whole ring's).
-  Elementwise ops and memory traffic are ignored.
-- collective bytes per call are the result bytes on this rank; ring factors: all_reduce 2(n-1)/n,
-  all_gather and all_to_all (n-1)/n, for a group of n ranks; a ring attention's pass sends its key/value block
-  once to the next rank (factor 1, counted ring - 1 times per attention).
-- compute and communication do not overlap (pessimistic), and there is no per-collective latency term.
-Defaults describe one Trainium2 logical core (``--tflops 80``, ``--link-gbps 100``); set them for your hardware.
+Each layout is partitioned for rank 0 (the largest share where splits are uneven) and its graph costed by
+``partitioner/cost.py`` on a device profile (``partitioner/profiles/*.json``, or one ``partitioner calibrate``
+wrote): compute from FLOPs and bytes at the device's sustained rates, communication from each collective's bytes,
+algorithm and the chips its ranks sit on, exposed where the program waits for it. Default profile: one logical
+NeuronCore of a trn2 host.
 """
 
 from __future__ import annotations
@@ -25,21 +18,13 @@ from pathlib import Path
 
 import torch
 
+from . import cost
 from .api import partition_traced
 from .mesh import as_mesh_spec
 from .errors import InputError, PartitionError
-from .trace import trace
 
-aten = torch.ops.aten
 MODELS = {"minimax-h3": "MiniMaxH3Transformer3DModel"}
-_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-            "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0}
-
-
-@dataclass(frozen=True)
-class CostModel:
-    tflops: float = 80.0  # dense bf16 peak per device, TFLOP/s
-    link_gbps: float = 100.0  # collective bandwidth per device, GB/s
+DEFAULT_PROFILE = "trn2"
 
 
 @dataclass
@@ -56,10 +41,15 @@ class LayoutEstimate:
     collective_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes per step on one rank
     flops: float = 0.0
     compute_s: float = 0.0
-    comm_s: float = 0.0
+    comm_s: float = 0.0  # every collective's time
+    exposed_comm_s: float = 0.0  # the part of it the program waits for
+    comm_s_by_kind: dict[str, float] = field(default_factory=dict)
     device_memory: int | None = None
     error: str | None = None  # why this layout is impossible
     ring: int = 1
+    profile: str = DEFAULT_PROFILE
+    # every rank's parameter elements and bytes: [{"rank", "parameter_count", "parameter_bytes"}]
+    ranks: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def layout(self) -> str:
@@ -75,7 +65,7 @@ class LayoutEstimate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.exposed_comm_s
 
     @property
     def requests_per_s(self) -> float:
@@ -87,8 +77,17 @@ class LayoutEstimate:
         return None if self.device_memory is None else self.memory_bytes <= self.device_memory
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "memory_bytes": self.memory_bytes, "step_s": self.step_s,
-                "requests_per_s": self.requests_per_s, "fits": self.fits}
+        return {**dataclasses.asdict(self), "layout": self.layout, "memory_bytes": self.memory_bytes,
+                "step_s": self.step_s, "requests_per_s": self.requests_per_s, "fits": self.fits,
+                "largest_rank": self.largest_rank()}
+
+    def largest_rank(self) -> dict[str, int]:
+        """The rank holding the most parameter bytes, with its figures (rank 0's activations and times: rank 0
+        takes the larger part of every uneven split)."""
+        if not self.ranks:
+            return {}
+        largest = max(self.ranks, key=lambda r: (r["parameter_bytes"], -r["rank"]))
+        return {**largest, "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes}
 
 
 def parse_bytes(text: str) -> int:
@@ -147,42 +146,46 @@ def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = to
     return ((), {k: v.to(dtype) if v.is_floating_point() and k != "timestep" else v for k, v in inputs.items()})
 
 
-def graph_flops(gm: torch.fx.GraphModule) -> float:
-    from .collectives import ring_attention
-
-    flops = 0.0
-    for node in gm.graph.nodes:
-        if node.target is aten.linear.default:
-            flops += 2 * node.meta["val"].numel() * node.args[1].meta["val"].shape[1]
-        elif node.target in (aten.scaled_dot_product_attention.default, ring_attention):
-            q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-            keys = sum(node.args[4]) if node.target is ring_attention else k.shape[-2]  # every block of the ring
-            flops += 4 * q.shape[:-2].numel() * q.shape[-2] * keys * q.shape[-1]
-    return flops
+def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int = 1):
+    """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost)."""
+    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
+    return partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)), mesh,
+                            model_name)
 
 
 def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None = None,
-             cost: CostModel = CostModel(), device_memory: int | None = None, ring: int = 1) -> LayoutEstimate:
+             profile: cost.DeviceProfile | None = None, device_memory: int | None = None,
+             ring: int = 1) -> LayoutEstimate:
     """Partition a copy of ``traced`` for rank 0 (the largest share where splits are uneven) and cost it."""
-    ranks = tp * ring * ulysses
-    result = LayoutEstimate(tp, ulysses, (devices or ranks) // ranks, device_memory=device_memory, ring=ring)
-    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
     try:
-        partitioned = partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)),
-                                       mesh, model_name)
+        partitioned = partition_layout(traced, model_name, tp, ulysses, ring)
     except PartitionError as error:
-        result.error = str(error)
-        return result
+        ranks = tp * ring * ulysses
+        return LayoutEstimate(tp, ulysses, (devices or ranks) // ranks, device_memory=device_memory, ring=ring,
+                              error=str(error), profile=(profile or cost.load_profile(DEFAULT_PROFILE)).name)
+    return cost_of(partitioned, devices, profile, device_memory)
+
+
+def cost_of(partitioned, devices: int | None = None, profile: cost.DeviceProfile | None = None,
+            device_memory: int | None = None) -> LayoutEstimate:
+    """What rank 0 of a partition holds, moves and spends per step on ``profile``."""
+    profile = profile or cost.load_profile(DEFAULT_PROFILE)
+    mesh = partitioned.mesh
+    ranks = mesh.world_size
+    result = LayoutEstimate(mesh.size("tp"), mesh.size("ulysses"), (devices or ranks) // ranks,
+                            device_memory=device_memory, ring=mesh.size("ring"), profile=profile.name)
     report = partitioned.report()
     result.parameter_bytes = report.parameter_bytes
     result.parameter_count = report.parameters
     result.parameter_ranks = report.parameter_extremes()
+    result.ranks = [{"rank": r, "parameter_count": n, "parameter_bytes": size}
+                    for r, (n, size) in enumerate(report.rank_parameters)]
     result.activation_bytes = report.activation_peak_bytes
     for c in report.collectives:
         result.collective_bytes[c.kind] = result.collective_bytes.get(c.kind, 0) + c.count * c.bytes_per_call
-        result.comm_s += c.count * c.bytes_per_call * _FACTORS[c.kind](mesh.size(c.axis)) / (cost.link_gbps * 1e9)
-    result.flops = graph_flops(partitioned.graph_module)
-    result.compute_s = result.flops / (cost.tflops * 1e12)
+    step = cost.step_time(partitioned.graph_module, mesh, profile)
+    result.flops, result.compute_s = step.flops, step.compute_s
+    result.comm_s, result.exposed_comm_s, result.comm_s_by_kind = step.comm_s, step.exposed_comm_s, step.comm_by_kind
     return result
 
 
@@ -193,11 +196,10 @@ def layouts(devices: int, ring: bool = True) -> list[tuple[int, int, int]]:
             for u in range(1, devices // (tp * r) + 1) if devices % (tp * r * u) == 0]
 
 
-def search(model: torch.nn.Module, inputs, devices: int, cost: CostModel = CostModel(),
+def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | None = None,
            device_memory: int | None = None, ring: bool = True) -> list[LayoutEstimate]:
-    """Every layout on ``devices``, possible ones first, those that fit first, fastest first. One trace serves
-    all of them."""
-    traced = trace(model, inputs)
-    found = [estimate(traced, type(model).__name__, tp, u, devices, cost, device_memory, ring=r)
+    """Every layout on ``devices``, possible ones first, those that fit first, fastest first, from one trace
+    (``trace(model, inputs)``)."""
+    found = [estimate(traced, model_name, tp, u, devices, profile, device_memory, ring=r)
              for tp, r, u in layouts(devices, ring)]
     return sorted(found, key=lambda e: (e.error is not None, e.fits is False, e.step_s))

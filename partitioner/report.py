@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -57,21 +58,21 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"partition report: {self.mesh}",
-                 f"  parameters per rank: {self.parameters:,} ({_bytes(self.total_parameter_bytes)}), "
-                 f"replicated share {self.replicated_share:.1%}; buffers {_bytes(self.buffer_bytes)}"]
-        lines += [f"    {dtype:<16} {_bytes(size):>12}" for dtype, size in sorted(self.parameter_bytes.items())]
+                 f"  parameters per rank: {self.parameters:,} ({human_bytes(self.total_parameter_bytes)}), "
+                 f"replicated share {self.replicated_share:.1%}; buffers {human_bytes(self.buffer_bytes)}"]
+        lines += [f"    {dtype:<16} {human_bytes(size):>12}" for dtype, size in sorted(self.parameter_bytes.items())]
         extremes = self.parameter_extremes()
         if extremes and extremes["largest"]["bytes"] != extremes["smallest"]["bytes"]:
             lines.append("  uneven shares: " + ", ".join(
-                f"{which} rank {e['rank']} {e['parameter_count']:,} ({_bytes(e['bytes'])})"
+                f"{which} rank {e['rank']} {e['parameter_count']:,} ({human_bytes(e['bytes'])})"
                 for which, e in extremes.items()))
         lines.append(f"  {'collective':<16} {'axis':<8} {'count':>6} {'bytes/call':>12} {'bytes/step':>12}")
         for c in self.collectives:
-            lines.append(f"  {c.kind:<16} {c.axis:<8} {c.count:>6} {_bytes(c.bytes_per_call):>12} "
-                         f"{_bytes(c.count * c.bytes_per_call):>12}")
+            lines.append(f"  {c.kind:<16} {c.axis:<8} {c.count:>6} {human_bytes(c.bytes_per_call):>12} "
+                         f"{human_bytes(c.count * c.bytes_per_call):>12}")
         if not self.collectives:
             lines.append("  (none)")
-        lines.append(f"  activation peak per rank (estimate): {_bytes(self.activation_peak_bytes)}")
+        lines.append(f"  activation peak per rank (estimate): {human_bytes(self.activation_peak_bytes)}")
         if self.hoisted:
             lines.append(f"  host prologue (CPU): {len(self.hoisted)} nodes; "
                          + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
@@ -85,7 +86,7 @@ class Report:
         return "\n".join(lines)
 
 
-def _bytes(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -108,13 +109,35 @@ def _is_view(node) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
-def _nbytes(val) -> int:
+# ops whose schema says "may alias" but which copy when they convert, or when their input is not contiguous
+_COPY_WHEN_NEEDED = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+                     torch.ops.aten.to.other, torch.ops.aten.reshape.default, torch.ops.aten.contiguous.default,
+                     torch.ops.aten.flatten.using_ints}
+
+
+def aliases(node) -> bool:
+    """Whether ``node``'s value shares its first argument's storage (allocates nothing): a view, an item of a
+    multi-output op, a collective's wait; a maybe-copying op (``to``, ``reshape``, ``contiguous``) only when it
+    keeps dtype and device and its input is contiguous."""
+    source = node.args[0] if node.args else None
+    if node.op != "call_function" or not isinstance(source, torch.fx.Node):
+        return False
+    if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default):
+        return True
+    if node.target in _COPY_WHEN_NEEDED:
+        before, after = source.meta.get("val"), node.meta.get("val")
+        return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+                and before.device == after.device and before.is_contiguous())
+    return _is_view(node)
+
+
+def nbytes(val) -> int:
     """Bytes of a value; 0 for a data-dependent size (only before hoist_host makes shapes static)."""
     if isinstance(val, torch.Tensor):
         numel = val.numel()
         return numel * val.element_size() if isinstance(numel, int) else 0
     if isinstance(val, (tuple, list)):
-        return sum(map(_nbytes, val))
+        return sum(map(nbytes, val))
     return 0
 
 
@@ -126,15 +149,15 @@ def _workspace(node) -> int:
     from .collectives import QUERY_CHUNK, all_gather, all_to_all, ring_attention
 
     if node.target is torch.ops.aten.rms_norm.default:
-        return _nbytes(node.meta["val"])
+        return nbytes(node.meta["val"])
     if node.target is all_to_all:
-        return 2 * _nbytes(node.meta["val"])
+        return 2 * nbytes(node.meta["val"])
     if node.target is all_gather:
-        return _nbytes(node.meta["val"])
+        return nbytes(node.meta["val"])
     if node.target is not ring_attention:
         return 0
     q, k, v = (n.meta["val"] for n in node.args[:3])
-    blocks = 2 * _nbytes((k, v)) + 2 * q.numel() * 4
+    blocks = 2 * nbytes((k, v)) + 2 * q.numel() * 4
     if q.device.type == "cpu":
         return blocks
     # elsewhere (and on meta weights, as the planner sizes it) float32 scores and their softmax are materialised,
@@ -145,43 +168,54 @@ def _workspace(node) -> int:
 
 def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
     """Peak bytes of live intermediate values when the graph runs in order and frees each value after its last
-    use, plus what an op holds while it runs (``_workspace``). Views allocate nothing; model tensors are counted as
-    parameters, not here. Allocator caching, other kernels' workspaces and fusion are not modelled: an estimate
-    for comparing layouts, not a promise (``benchmarks/sequence_memory.py`` compares it with a measured peak)."""
+    use, plus what an op holds while it runs (``_workspace``). Graph inputs count (the host prologue's outputs
+    among them); model tensors are counted as parameters, not here. A view (or an item of a multi-output op)
+    allocates nothing but keeps the storage it views alive until its own last use. Allocator caching, other
+    kernels' workspaces and fusion are not modelled (``tests/test_memory_estimate.py`` and
+    ``benchmarks/sequence_memory.py`` compare it with measured peaks)."""
     model_tensors = {n for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    owner = {}  # a view -> the value whose storage it shares
+    for node in gm.graph.nodes:
+        if aliases(node):
+            base = node.args[0]
+            owner[node] = owner.get(base, base)
     last_use = {}
     for index, node in enumerate(gm.graph.nodes):
         for source in node.all_input_nodes:
-            last_use[source] = index
+            last_use[owner.get(source, source)] = index
     live, peak, sizes = 0, 0, {}
     for index, node in enumerate(gm.graph.nodes):
-        if node not in model_tensors and node.op != "output" and not _is_view(node):
-            sizes[node] = _nbytes(node.meta.get("val"))
+        if node not in model_tensors and node.op != "output" and node not in owner:
+            sizes[node] = nbytes(node.meta.get("val"))
             live += sizes[node]
             peak = max(peak, live + _workspace(node))
-        for source in set(node.all_input_nodes):
-            if last_use.get(source) == index:
-                live -= sizes.pop(source, 0)
+        for storage in {owner.get(source, source) for source in node.all_input_nodes}:
+            if last_use.get(storage) == index:
+                live -= sizes.pop(storage, 0)
     return peak
 
 
-def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
+def collective_calls(node) -> tuple[int, int]:
+    """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
+    collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
     from .collectives import ring_attention, sharded_layer_norm, sharded_rms_norm
 
+    val = node.meta["val"]
+    if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block
+        k, v = node.args[1].meta["val"], node.args[2].meta["val"]
+        return k.numel() * k.element_size() + v.numel() * v.element_size(), len(node.args[4]) - 1
+    if node.target in (sharded_rms_norm, sharded_layer_norm):  # float32 row statistics, not the output
+        return val.numel() // val.shape[-1] * 4, 1 if node.target is sharded_rms_norm else 2
+    return val.numel() * val.element_size(), 1
+
+
+def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
     calls = defaultdict(int)
     for node in gm.graph.nodes:
         if "collective" in node.meta:
             kind, axis = node.meta["collective"]
-            val = node.meta["val"]
-            if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block
-                k, v = node.args[1].meta["val"], node.args[2].meta["val"]
-                calls[(kind, axis, k.numel() * k.element_size() + v.numel() * v.element_size())] += \
-                    len(node.args[4]) - 1
-            elif node.target in (sharded_rms_norm, sharded_layer_norm):  # float32 row statistics, not the output
-                statistics = val.numel() // val.shape[-1] * 4
-                calls[(kind, axis, statistics)] += 1 if node.target is sharded_rms_norm else 2
-            else:
-                calls[(kind, axis, val.numel() * val.element_size())] += 1
+            size, count = collective_calls(node)
+            calls[(kind, axis, size)] += count
     return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
 
 

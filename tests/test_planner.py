@@ -97,9 +97,10 @@ def test_ring_layouts_are_costed(tiny_config):
     other than the CPU, the chunked float32 scores of each block: this tiny model's attention dominates it); a ring
     longer than every sequence is impossible, with the reason."""
     from partitioner import planner
+    from partitioner.trace import trace
 
     model = planner.build_meta_model(str(tiny_config))
-    traced = {seq_len: planner.trace(model, planner.example_inputs(model, seq_len)) for seq_len in (16, 64, 4096)}
+    traced = {seq_len: trace(model, planner.example_inputs(model, seq_len)) for seq_len in (16, 64, 4096)}
 
     def report(mesh: str, seq_len: int = 64) -> dict:
         sizes = {axis: int(size) for axis, size in (part.split("=") for part in mesh.split(","))}
@@ -115,6 +116,29 @@ def test_ring_layouts_are_costed(tiny_config):
     assert "a ring of 64 shards no attention" in report("ring=64", seq_len=16)["error"]
     text = run_cli("--config", str(tiny_config), "--mesh", "tp=2,ring=2,ulysses=2", "--seq-len", "64").stdout
     assert "layout tp=2 x ring=2 x ulysses=2" in text and "ring_pass" in text
+
+
+def test_json_states_every_rank_and_html_shows_the_plan(tiny_config, tmp_path):
+    """--json: every rank's parameters, the largest rank's figures, compute and communication time (all of it and
+    the exposed part, per kind) on the chosen profile; --html writes the picture of the same layout."""
+    page = tmp_path / "plan.html"
+    result = run_cli("--config", str(tiny_config), "--mesh", "tp=3,ulysses=2", "--seq-len", "64", "--json",
+                     "--profile", "h100-nvlink", "--html", str(page))
+    (layout,) = json.loads(result.stdout)
+    assert layout["profile"] == "h100-nvlink" and layout["layout"] == "tp=3 x ulysses=2"
+    # 4 heads over tp=3: tp rank 0 (ranks 0 and 1, ulysses peers) holds two heads, the others one (and tp rank 2
+    # a narrower feed-forward slice)
+    counts = [r["parameter_count"] for r in layout["ranks"]]
+    assert [r["rank"] for r in layout["ranks"]] == list(range(6))
+    assert counts[0] == counts[1] > counts[2] == counts[3] > counts[4] == counts[5]
+    assert layout["largest_rank"]["rank"] == layout["parameter_ranks"]["largest"]["rank"] == 0
+    assert layout["largest_rank"]["parameter_count"] == layout["parameter_count"]
+    assert 0 < layout["exposed_comm_s"] <= layout["comm_s"] and layout["compute_s"] > 0
+    assert set(layout["comm_s_by_kind"]) == set(layout["collective_bytes"]) == {"all_reduce", "all_to_all",
+                                                                               "all_gather"}
+    assert layout["fits"] is True  # the profile's 80 GB when --device-memory is not given
+    html = page.read_text()
+    assert 'data-block="transformer_blocks.0"' in html and "exposed" in html
 
 
 def test_bad_arguments_are_clear(tiny_config):
