@@ -153,7 +153,7 @@ def test_ulysses_speedup_on_trainium2_comes_from_the_chips_links(full_h3_768p):
     """Full-size H3, 37888 rows, on trn2: TP=8 -> TP=8 x Ulysses=4. Compute falls 3.7x (attention 3.5x: a TP
     rank's 7 heads are 2 per Ulysses rank), but the TP all-reduces do not get faster: at TP=8 the 8 ranks fill two
     chips and only the chip boundary is crossed, while at TP=8 x Ulysses=4 each TP group spans 8 chips and every
-    chip's link carries its 4 groups. Predicted 2.89x (the old bytes/bandwidth formula said 3.66x; Trainium2
+    chip's link carries its 4 groups. Predicted 2.88x (the old bytes/bandwidth formula said 3.66x; Trainium2
     measured 2.36x for the whole generation)."""
     name = "MiniMaxH3Transformer3DModel"
     tp8 = planner.estimate(full_h3_768p, name, 8, 1)
