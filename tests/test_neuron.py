@@ -97,6 +97,23 @@ def test_problems_are_grouped_by_module_index():
     assert neuron.grouped(found) == ["too long [in blocks.{0-2,5}.attn (4), refiner.attn]", "float64 [in mul_3]"]
 
 
+def test_batch_axis_passes_neuron_checks():
+    """A batch of 2 split over dp beside tp, and over cfg beside ulysses=4: the batch split adds nothing Neuron
+    refuses (the output's all_gather is a collective it has). (Flux itself is refused on Neuron, batch or not: its
+    rotary tables are computed in float64 and copied to the CPU inside the graph.)"""
+    class PerRow(Attention):  # the attention's output itself, so that the batch has something to gather
+        def forward(self, x):
+            q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    x = torch.randn(2, 512, 128)
+    for layout in ({"dp": 2, "tp": 2}, {"cfg": 2, "ulysses": 4}):
+        partitioned = partitioner.partition(PerRow(heads=4).eval(), layout, ((), {"x": x}), rank=1,
+                                            backend_checks="neuron")
+        assert partitioned.collective_counts()[("all_gather", next(iter(layout)))] == 1
+        assert neuron.check(partitioned.graph_module, partitioned.mesh) == []
+
+
 def test_all_to_all_group_sizes():
     """Ulysses=2 is refused with the degrees Neuron accepts; 4, 8, 16 and multiples of 32 pass."""
     assert [n for n in range(1, 65) if neuron.valid_all_to_all_size(n)] == [1, 4, 8, 16, 32, 64]

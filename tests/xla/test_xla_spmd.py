@@ -323,3 +323,24 @@ def test_ring_on_xla_refuses_uneven_blocks_by_name():
     partitioned = partitioner.partition(model, {"ring": 2}, ((), inputs))
     with pytest.raises(XlaBackendError, match="25 query and 25 key rows over a ring of 2"):
         partitioned.compile(backend="xla")(**inputs)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "tp": 2}, {"cfg": 2, "ulysses": 2}], ids=["dp2_tp2", "cfg2_ulysses2"])
+def test_batch_axis_on_xla(layout):
+    """Flux with classifier-free guidance's halves as a batch of 2, the batch split over a dp (or cfg) axis beside tp
+    or ulysses: exact, XLA's collectives equal to the plan's (verify=True), and over the batch axis nothing but the
+    output's all-gather."""
+    inputs = flux_inputs()
+    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+        inputs[name] = torch.cat([inputs[name], torch.randn_like(inputs[name])])
+    inputs["timestep"] = torch.tensor([0.5, 0.25])
+    model = tiny_flux()
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    partitioned = partitioner.partition(model, layout, ((), inputs))
+    compiled = partitioned.compile(backend="xla")
+    torch.testing.assert_close(compiled(**inputs).sample, expected, **TOLERANCE)
+    batch = next(iter(layout))
+    counts = Counter((c.kind, axis_of(c.groups, partitioned.mesh)) for c in compiled.stats.collectives)
+    assert counts == partitioned.collective_counts() and compiled.stats.mismatches == []
+    assert {kind for kind, axis in counts if axis == batch} == {"all_gather"} and counts[("all_gather", batch)] == 1
