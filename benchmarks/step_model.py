@@ -14,6 +14,8 @@ is not in the model. Timings on a shared 2-core machine are noisy: compare rows 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 
@@ -40,7 +42,7 @@ def _measure(rank: int, world: int, layout: dict, repeats: int, profile_json: st
     partitioned = partitioner.partition(model, mesh, ((), inputs))
     compiled = partitioned.compile()
     step = lambda: compiled(**inputs)  # noqa: E731
-    profile = cost.DeviceProfile(**__import__("json").loads(profile_json))
+    profile = cost.DeviceProfile(**json.loads(profile_json))
     predicted = cost.step_time(partitioned.graph_module, partitioned.mesh, profile)
     seconds = _time(step, repeats, dist.barrier if world > 1 else lambda: None)
     return dict(seconds=seconds, predicted=predicted.step_s, compute=predicted.compute_s,
@@ -67,10 +69,7 @@ def main() -> None:
     rows = {}
     for text in args.layouts:
         layout = _mesh(text)
-        world = 1
-        for size in layout.values():
-            world *= size
-        ranks = run_ranks(world, _measure, layout, args.repeats, profile.to_json())
+        ranks = run_ranks(math.prod(layout.values()), _measure, layout, args.repeats, profile.to_json())
         rows[text] = max(ranks, key=lambda r: r["seconds"])
     base = rows[args.layouts[0]]
     for text, r in rows.items():

@@ -116,9 +116,9 @@ def _write_html(path: str, traced, name: str, best: planner.LayoutEstimate) -> N
 
 
 def calibrate(args) -> int:
-    from .calibrate import calibrate as measure
+    from .calibrate import calibrate as calibrate_this_host
 
-    profile = measure(args.threads)
+    profile = calibrate_this_host(args.threads)
     Path(args.out).write_text(profile.to_json())
     print(f"wrote {args.out}: {profile.matmul_tflops * 1e3:.1f} GFLOP/s matmul, {profile.memory_gbps:.1f} GB/s "
           f"memory, {profile.local_gbps:.2f} GB/s and {profile.latency_us:.0f} us per message between ranks")

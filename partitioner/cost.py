@@ -173,6 +173,7 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
 
     compute = flops = moved = comm = exposed = 0.0
     by_kind: dict[str, float] = {}
+    groups = {axis: mesh.groups(axis) for axis in mesh.axis_names}
     for node in gm.graph.nodes:
         seconds, node_flops, node_bytes = node_compute_s(node, profile)
         compute, flops, moved = compute + seconds, flops + node_flops, moved + node_bytes
@@ -180,8 +181,8 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
             continue
         kind, axis = node.meta["collective"]
         size, calls = collective_calls(node)
-        groups = mesh.groups(axis)
-        one = collective_s(kind, size, next(g for g in groups if mesh.rank in g), groups, profile)
+        mine = next(g for g in groups[axis] if mesh.rank in g)
+        one = collective_s(kind, size, mine, groups[axis], profile)
         comm += one * calls
         by_kind[kind] = by_kind.get(kind, 0.0) + one * calls
         if node.target is ring_attention:  # each pass hides behind one block's attention

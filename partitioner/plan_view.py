@@ -14,6 +14,7 @@ from collections import deque
 from pathlib import Path
 
 from .errors import InputError
+from .passes.annotate_heads import module_path
 from .report import collective_calls, human_bytes
 
 UNGROUPED = "(graph)"  # the block of a collective that no module of the model owns
@@ -26,29 +27,20 @@ TIME_KEYS = ("compute_s", "comm_s", "exposed_comm_s")
 
 # --- the numbers -----------------------------------------------------------------------------------------------
 
-def block_of(module_path: str) -> str:
+def block_of(path: str) -> str:
     """The repeated block a module belongs to: its path up to the first numeric component
     ("transformer_blocks.3.attn.to_q" -> "transformer_blocks.3"); a module outside any numbered list is grouped
     under its top-level module ("time_embedder.linear_1" -> "time_embedder")."""
-    parts = module_path.split(".")
+    parts = path.split(".")
     for index, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[:index + 1])
     return parts[0]
 
 
-def _within(block: str, module_path: str) -> str:
+def _within(block: str, path: str) -> str:
     """The path inside its block, or the whole path for a block that is the module itself ("proj_out")."""
-    return module_path[len(block) + 1:] or module_path
-
-
-def _module_path(node) -> str | None:
-    """The innermost module that called ``node``, from export's ``nn_module_stack`` (None: none, or only the root)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return path or None
+    return path[len(block) + 1:] or path
 
 
 def _owning_block(node) -> str:
@@ -57,8 +49,8 @@ def _owning_block(node) -> str:
     queue, seen = deque([node]), {node}
     while queue:
         current = queue.popleft()
-        path = _module_path(current)
-        if path is not None:
+        path = module_path(current)
+        if path:
             return block_of(path)
         for source in current.all_input_nodes:
             if source not in seen:

@@ -82,12 +82,14 @@ class LayoutEstimate:
                 "largest_rank": self.largest_rank()}
 
     def largest_rank(self) -> dict[str, int]:
-        """The rank holding the most parameter bytes, with its figures (rank 0's activations and times: rank 0
-        takes the larger part of every uneven split)."""
-        if not self.ranks:
+        """The rank holding the most parameter bytes (``parameter_ranks``), with the memory that must fit (rank
+        0's activations: rank 0 takes the larger part of every uneven split)."""
+        largest = self.parameter_ranks.get("largest")
+        if not largest:
             return {}
-        largest = max(self.ranks, key=lambda r: (r["parameter_bytes"], -r["rank"]))
-        return {**largest, "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes}
+        return {"rank": largest["rank"], "parameter_count": largest["parameter_count"],
+                "parameter_bytes": largest["bytes"], "activation_bytes": self.activation_bytes,
+                "memory_bytes": self.memory_bytes}
 
 
 def parse_bytes(text: str) -> int:
@@ -157,12 +159,13 @@ def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None
              profile: cost.DeviceProfile | None = None, device_memory: int | None = None,
              ring: int = 1) -> LayoutEstimate:
     """Partition a copy of ``traced`` for rank 0 (the largest share where splits are uneven) and cost it."""
+    profile = profile or cost.load_profile(DEFAULT_PROFILE)
     try:
         partitioned = partition_layout(traced, model_name, tp, ulysses, ring)
     except PartitionError as error:
         ranks = tp * ring * ulysses
         return LayoutEstimate(tp, ulysses, (devices or ranks) // ranks, device_memory=device_memory, ring=ring,
-                              error=str(error), profile=(profile or cost.load_profile(DEFAULT_PROFILE)).name)
+                              error=str(error), profile=profile.name)
     return cost_of(partitioned, devices, profile, device_memory)
 
 
@@ -200,6 +203,7 @@ def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | 
            device_memory: int | None = None, ring: bool = True) -> list[LayoutEstimate]:
     """Every layout on ``devices``, possible ones first, those that fit first, fastest first, from one trace
     (``trace(model, inputs)``)."""
+    profile = profile or cost.load_profile(DEFAULT_PROFILE)
     found = [estimate(traced, model_name, tp, u, devices, profile, device_memory, ring=r)
              for tp, r, u in layouts(devices, ring)]
     return sorted(found, key=lambda e: (e.error is not None, e.fits is False, e.step_s))

@@ -10,24 +10,15 @@ import torch
 from partitioner import partition
 from partitioner.errors import PartitionError
 from partitioner.testing import run_ranks
-from partitioner.testing.models import flux_inputs, tiny_flux
+from partitioner.testing.models import flux_cfg_inputs, flux_inputs, tiny_flux
 
 TOLERANCE = 1e-5
-
-
-def cfg_batch() -> dict:
-    """Flux inputs with classifier-free guidance's two halves as a batch of 2 (the rotary ids have no batch)."""
-    inputs = flux_inputs()
-    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
-        inputs[name] = torch.cat([inputs[name], torch.randn_like(inputs[name])])
-    inputs["timestep"] = torch.tensor([0.5, 0.25])
-    return inputs
 
 
 def _batch_parallel(rank, world, shape, names):
     from torch.distributed.device_mesh import init_device_mesh
 
-    model, inputs = tiny_flux(), cfg_batch()
+    model, inputs = tiny_flux(), flux_cfg_inputs()
     partitioned = partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
     with torch.no_grad():
         expected = model(**inputs).sample

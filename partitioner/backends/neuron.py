@@ -37,6 +37,7 @@ from torch.fx import GraphModule
 from .. import collectives
 from ..errors import BackendError
 from ..passes import narrow_indices, pad_attention
+from ..passes.annotate_heads import module_path
 from ..trace import copy_graph_module
 from .base import Backend, register
 
@@ -194,10 +195,7 @@ def _attention_findings(node, text_rows: int | None) -> list[Finding]:
 
 
 def _module_of(node) -> str:
-    """The innermost model module that made ``node`` (export's ``nn_module_stack``), else the node's name."""
-    stack = node.meta.get("nn_module_stack")
-    path = list(stack.values())[-1][0] if stack else ""
-    return path or node.name
+    return module_path(node) or node.name
 
 
 def _size(n: int) -> str:

@@ -45,16 +45,17 @@ class HeadInfo:
     role: str  # "q", "k", "v", "out" or "attention"
 
 
-def _module_path(node: Node) -> str:
+def module_path(node: Node) -> str:
+    """The innermost model module that made ``node`` (export's ``nn_module_stack``); "" for none, or the root."""
     stack = node.meta.get("nn_module_stack")
-    return (list(stack.values())[-1][0] if stack else "") or node.name
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def _attention_module(attention: Node, q_proj: Node | None, out_proj: Node | None) -> str:
     """The attention module's path: the longest common prefix of its q and output projections' paths."""
-    paths = [_module_path(n).split(".") for n in (q_proj, out_proj) if n is not None]
+    paths = [(module_path(n) or n.name).split(".") for n in (q_proj, out_proj) if n is not None]
     if not paths:
-        return _module_path(attention)
+        return module_path(attention) or attention.name
     common = []
     for parts in zip(*paths) if len(paths) > 1 else [(p,) for p in paths[0][:-1]]:
         if len(set(parts)) != 1:

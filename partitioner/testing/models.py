@@ -40,6 +40,15 @@ def flux_inputs(seed: int = 1) -> dict:
                 img_ids=torch.randn(16, 3, generator=g), txt_ids=torch.randn(8, 3, generator=g))
 
 
+def flux_cfg_inputs() -> dict:
+    """Flux inputs with classifier-free guidance's two halves as a batch of 2 (the rotary ids have no batch)."""
+    inputs = flux_inputs()
+    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+        inputs[name] = torch.cat([inputs[name], torch.randn_like(inputs[name])])
+    inputs["timestep"] = torch.tensor([0.5, 0.25])
+    return inputs
+
+
 def h3_inputs(config: dict, *, text: int = 5, video: int = 12, audio: int = 6, timesteps: int = 2, seed: int = 1,
               device="cpu"):
     """Inputs of one packed sequence in the layout H3's pipeline builds: text, video and audio rows scattered."""
@@ -288,4 +297,4 @@ def idiom_cases() -> dict:
     }
 
 
-__all__ = ['FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']
+__all__ = ['FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']

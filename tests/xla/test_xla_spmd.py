@@ -11,8 +11,8 @@ import torch
 import partitioner
 from partitioner.backends.xla import CollectiveMismatch, XlaBackendError, axis_of
 from partitioner.placement import PackedShard, Shard
-from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_inputs, h3_inputs, idiom_cases,
-                                 tiny_flux, tiny_h3)
+from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_cfg_inputs, flux_inputs, h3_inputs,
+                                 idiom_cases, tiny_flux, tiny_h3)
 
 # float32 sums over sharded dims are reordered (per-shard partial sums, then the all-reduce), and attention runs as
 # einsums instead of SDPA's kernel: a few ulps on O(1) outputs; same bound as the gloo tests.
@@ -330,11 +330,7 @@ def test_batch_axis_on_xla(layout):
     """Flux with classifier-free guidance's halves as a batch of 2, the batch split over a dp (or cfg) axis beside tp
     or ulysses: exact, XLA's collectives equal to the plan's (verify=True), and over the batch axis nothing but the
     output's all-gather."""
-    inputs = flux_inputs()
-    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
-        inputs[name] = torch.cat([inputs[name], torch.randn_like(inputs[name])])
-    inputs["timestep"] = torch.tensor([0.5, 0.25])
-    model = tiny_flux()
+    inputs, model = flux_cfg_inputs(), tiny_flux()
     with torch.no_grad():
         expected = model(**inputs).sample
     partitioned = partitioner.partition(model, layout, ((), inputs))
