@@ -5,8 +5,11 @@
 Rows, each the median of --repeats forward passes after warm-up (one process per rank, one thread each, ranks
 synchronised by a barrier around every step):
   single process, 1 thread / 2 threads           the unpartitioned model
-  partitioner eager, TP=2                         our per-rank graph, op by op
-  partitioner inductor, TP=2                      the same graph compiled by Inductor (regional)
+  partitioner eager, TP=2, <variant>              our per-rank graph, op by op
+  partitioner inductor, TP=2, <variant>           the same graph compiled by Inductor (regional)
+    variants: overlap on (the default), without chunk_reductions, without schedule_collectives, overlap off,
+    and the rules' choice as if communication hid fully behind compute (cpu-gloo with overlap 1: chunks and
+    moves what a GPU profile would); a rank times its variants taking turns, step by step
   DTensor parallelize_module, TP=2                the module-hook approach with the equivalent hand-written plan
 It prints ratios, the parallel efficiency (1-thread time / (workers x time), workers being ranks or threads),
 bytes communicated per step, and
@@ -18,6 +21,8 @@ Timings on a shared 2-core machine are noisy: compare rows of one run, not runs.
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import os
 import statistics
 import tempfile
@@ -89,7 +94,39 @@ def _dtensor_plan(model, mesh, tp: int):
     return parallelize_module(model, mesh, plan)
 
 
+def _as_if_hidden():
+    """cpu-gloo with its overlap share set to 1: what the rules would do if gloo's all_reduces ran beside the
+    compute (on this CPU they share its cores; the measured share is about 0.1)."""
+    import dataclasses
+
+    from partitioner.cost import load_profile
+
+    return dataclasses.replace(load_profile("cpu-gloo"), name="cpu-gloo, overlap 1", overlap=1.0)
+
+
+OVERLAP = {"overlap on": True, "no chunk_reductions": {"chunk_reductions": False},
+           "no schedule": {"schedule": False}, "overlap off": False,
+           "as if comm hid fully": "as-if-hidden"}
+
+
+def _interleaved(steps: dict, repeats: int, synchronise) -> dict:
+    """Median seconds of each step, the steps taking turns (drift in the machine's load hits them alike)."""
+    times = {name: [] for name in steps}
+    with torch.no_grad():
+        for step in steps.values():
+            step(), step()
+        for _ in range(repeats):
+            for name, step in steps.items():
+                synchronise()
+                start = time.perf_counter()
+                step()
+                synchronise()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def tensor_parallel(rank: int, world: int, mode: str, repeats: int) -> dict:
+    """``mode``: "dtensor", or a partitioner backend timed with every overlap variant (``OVERLAP``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -99,19 +136,25 @@ def tensor_parallel(rank: int, world: int, mode: str, repeats: int) -> dict:
     model, inputs = _model(MID), _inputs(MID)
     with torch.no_grad():
         expected = model(**inputs).sample
-    result = {}
+    from partitioner.dump import graph_code
+
+    steps, errors, sent, programs = {}, {}, {}, {}
     if mode == "dtensor":
         model = _dtensor_plan(model, mesh, world)
-        step = lambda: model(**inputs)  # noqa: E731
+        steps["dtensor"] = lambda: model(**inputs)  # noqa: E731
     else:
-        partitioned = partitioner.partition(model, mesh, ((), inputs))
-        compiled = partitioned.compile(mode)
-        step = lambda: compiled(**inputs)  # noqa: E731
-        result["bytes"] = sum(c.count * c.bytes_per_call for c in partitioned.report().collectives)
+        for name, overlap in OVERLAP.items():
+            overlap = {"profile": _as_if_hidden()} if overlap == "as-if-hidden" else overlap
+            partitioned = partitioner.partition(model, mesh, ((), inputs), overlap=overlap)
+            steps[name] = functools.partial(partitioned.compile(mode), **inputs)
+            sent[name] = sum(c.count * c.bytes_per_call for c in partitioned.report().collectives)
+            programs[name] = hashlib.sha256(graph_code(partitioned.graph_module).encode()).hexdigest()[:8]
     with torch.no_grad():
-        result["error"] = float((step().sample - expected).abs().max())
-    result["seconds"] = _time(step, repeats, dist.barrier)
-    return result
+        for name, step in steps.items():
+            errors[name] = float((step().sample - expected).abs().max())
+    seconds = _interleaved(steps, repeats, dist.barrier)
+    return {name: dict(seconds=seconds[name], error=errors[name], bytes=sent.get(name), program=programs.get(name))
+            for name in steps}
 
 
 def compile_time(rank: int, world: int, regional: bool) -> dict:
@@ -148,25 +191,30 @@ def main() -> None:
     rows = {"single process, 1 thread": run_ranks(1, single_process, 1, args.repeats)[0],
             "single process, 2 threads": run_ranks(1, single_process, 2, args.repeats)[0]}
     details = {}
-    for label, mode in (("partitioner eager, TP=2", "eager"), ("partitioner inductor, TP=2", "inductor"),
-                        ("DTensor parallelize_module, TP=2", "dtensor")):
+    for mode in ("eager", "inductor", "dtensor"):
         ranks = run_ranks(2, tensor_parallel, mode, args.repeats)
-        rows[label] = max(r["seconds"] for r in ranks)
-        details[label] = ranks[0]
+        for name in ranks[0]:
+            label = "DTensor parallelize_module, TP=2" if mode == "dtensor" else f"partitioner {mode}, TP=2, {name}"
+            rows[label] = max(r[name]["seconds"] for r in ranks)
+            details[label] = ranks[0][name]
     one_thread = rows["single process, 1 thread"]
     print(f"MiniMax-H3 mid config: {MID['num_attention_heads']} heads x {MID['attention_head_dim']}, hidden "
           f"{MID['hidden_size']}, {MID['num_layers']} blocks, {sum(ROWS.values())} packed rows, float32, "
           f"median of {args.repeats}")
-    print(f"{'':34} {'ms/step':>9} {'vs 1 thread':>12} {'efficiency':>11} {'max |err|':>10}")
+    print(f"{'':46} {'ms/step':>9} {'vs 1 thread':>12} {'efficiency':>11} {'max |err|':>10} {'program':>9}")
     for label, seconds in rows.items():
         workers = 2 if "TP=2" in label or "2 threads" in label else 1
-        error = details.get(label, {}).get("error")
-        print(f"{label:34} {seconds * 1e3:9.1f} {one_thread / seconds:11.2f}x {one_thread / (workers * seconds):11.2f} "
-              f"{'' if error is None else f'{error:10.1e}'}")
-    eager, inductor = rows["partitioner eager, TP=2"], rows["partitioner inductor, TP=2"]
+        error, program = details.get(label, {}).get("error"), details.get(label, {}).get("program")
+        print(f"{label:46} {seconds * 1e3:9.1f} {one_thread / seconds:11.2f}x {one_thread / (workers * seconds):11.2f} "
+              f"{'' if error is None else f'{error:10.1e}'} {program or '':>9}")
+    print("(program: a hash of rank 0's graph; rows with the same hash run the same program, so their difference "
+          "is this machine's noise)")
     dtensor = rows["DTensor parallelize_module, TP=2"]
-    print(f"eager / DTensor {eager / dtensor:.2f}, inductor / eager {inductor / eager:.2f}; "
-          f"bytes communicated per step per rank: {details['partitioner eager, TP=2']['bytes'] / 2**20:.2f} MiB")
+    for mode in ("eager", "inductor"):
+        on, off = rows[f"partitioner {mode}, TP=2, overlap on"], rows[f"partitioner {mode}, TP=2, overlap off"]
+        print(f"{mode}: overlap on / off {on / off:.3f}, on / DTensor {on / dtensor:.3f}")
+    print(f"bytes communicated per step per rank: "
+          f"{details['partitioner eager, TP=2, overlap on']['bytes'] / 2**20:.2f} MiB")
     if not args.skip_compile_time:
         whole = run_ranks(1, compile_time, False)[0]
         regional = run_ranks(1, compile_time, True)[0]

@@ -17,7 +17,7 @@ from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups
 from .checkpoint import load_shards
 from .errors import (BackendError, CheckpointError, InputError, MissingWeights, NotFound, PartitionError,
                      TraceError, VerificationError)
-from .context import PassContext
+from .context import Overlap, PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PLAN, TO_RANK, run_passes
@@ -81,11 +81,11 @@ class Partitioned:
             traced = trace(self.skeleton, example_inputs)
             try:
                 new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets)
+                                       buckets=self.ctx.buckets, overlap=self.ctx.overlap)
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
                 traced = trace(self.skeleton, example_inputs)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets,
+                                       buckets=self.ctx.buckets, overlap=self.ctx.overlap,
                                        plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
                 new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
             if new.slice_specs != self.slice_specs:
@@ -153,7 +153,9 @@ class Partitioned:
             raise NotFound(f"no Linear or attention module at {module_path!r}; known modules look like "
                                    f"{known[:3]}")
         reason = self.ctx.replicated_because.get(module_path)
-        return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "")
+        chunked = self.ctx.chunked.get(module_path)
+        return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "") + \
+            (f"; its all_reduce {chunked}" if chunked else "")
 
     def verify(self, *args, rtol: float = 1e-4, atol: float = 1e-5, **kwargs):
         """Run this rank's program and the unpartitioned model on the same forward arguments and compare every
@@ -260,7 +262,7 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | Plan | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
-              timeout: float = DEFAULT_TIMEOUT) -> Partitioned:
+              timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -276,7 +278,10 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     table is); otherwise a ``PartitionError`` names the op that would read it.
     ``backend_checks="neuron"``: check this rank's graph against Neuron's rules now, on any machine (a
     ``NeuronLegalityError`` lists every problem with its fix); ``{"neuron": {"pad_sequence": True}}`` checks it as
-    ``compile(backend="neuron", pad_sequence=True)`` will build it.
+    ``compile(backend="neuron", pad_sequence=True)`` will build it. ``overlap``: hide communication behind
+    computation (row-parallel all_reduces in chunks, collectives issued early and waited on late, each where the
+    cost model says it pays); ``False`` turns it off, ``{"chunk_reductions": False}`` or ``{"schedule": False}``
+    one technique, ``{"profile": "h100-nvlink"}`` picks the device profile the costs come from.
 
     On a DeviceMesh every rank must call ``partition`` (it creates the partition's process groups, whose every
     collective is bounded by ``timeout`` seconds) and the ranks compare their plans: a rank that built another plan
@@ -297,12 +302,13 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
                              "take a padded size there)") from error
         _compute_meta_buffers(model, traced)
         partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
-                                       bounds=bounds, buckets=buckets)
+                                       bounds=bounds, buckets=buckets, overlap=overlap)
         if backend_checks is not None:
             _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
         return partitioned
 
-    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets)
+    overlap = Overlap.parse(overlap)
+    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap)
     partitioned = build_agreed(build, spec, groups, options)
     partitioned.source = weakref.ref(model)
     partitioned.skeleton = _skeleton(model)
@@ -390,11 +396,12 @@ def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
                      dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None,
-                     buckets: dict | None = None) -> Partitioned:
+                     buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
     ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
     ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
-                      buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec))
+                      buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
+                      overlap=Overlap.parse(overlap))
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
         overrides = plan.linear_overrides()

@@ -2,13 +2,14 @@
 
 Each rank of a CPU run is one process; ``threads`` is how many threads it computes with (the multi-rank tests and
 benchmarks use one). Measured with every rank measuring at once (they share the memory bus as in a run): a
-float32 matmul's rate, a large add's memory bandwidth, and gloo's all_reduce between the ranks, small (latency)
-and large (bandwidth). All ranks sit on this host: one "chip".
+float32 matmul's rate, a large add's memory bandwidth, gloo's all_reduce between the ranks, small (latency)
+and large (bandwidth), and how much of an all_reduce a matmul running meanwhile hides (overlap). All ranks sit on this host: one "chip".
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from datetime import date
 
@@ -58,8 +59,9 @@ def _probe(rank: int, world: int, port: int, threads: int, repeats: int, results
                 dist.all_reduce(x)
                 dist.barrier()
             times.append(_best_of(repeats, reduce))
+        hidden = overlap_share(repeats)
         if rank == 0:
-            results.put((rate, memory, *times))
+            results.put((rate, memory, *times, hidden))
     finally:
         dist.destroy_process_group()
 
@@ -67,8 +69,38 @@ def _probe(rank: int, world: int, port: int, threads: int, repeats: int, results
 SMALL, LARGE = 2, 2**22  # float32 elements: 8 bytes (latency), 16 MiB (bandwidth)
 
 
-def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, float, float]:
-    """(matmul TFLOP/s, memory GB/s, latency us per step, gloo GB/s) of one rank while ``ranks`` run at once.
+def overlap_share(repeats: int, size: int = 1024) -> float:
+    """The share of an all_reduce's time a matmul running meanwhile hides: a 16 MiB all_reduce (t_c) and a
+    matmul of about the same time (t_m) alone, then the all_reduce issued, the matmul run, the all_reduce waited
+    on (t_both), medians: (t_m + t_c - t_both) / min(t_m, t_c), from 0 (they only contend) to 1 (fully hidden)."""
+    x, a, b = torch.ones(LARGE), torch.randn(size, size), torch.randn(size, size)
+
+    def reduce():
+        dist.all_reduce(x)
+        dist.barrier()
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        a @ b
+        work.wait()
+        dist.barrier()
+
+    def matmul():
+        a @ b
+        dist.barrier()
+    times = {fn: [] for fn in (reduce, matmul, both)}
+    for _ in range(repeats + 1):  # taking turns, so that the machine's drift hits all three alike
+        for fn, measured in times.items():
+            start = time.perf_counter()
+            fn()
+            measured.append(time.perf_counter() - start)
+    t_c, t_m, t_both = (statistics.median(measured[1:]) for measured in times.values())
+    return min(1.0, max(0.0, (t_m + t_c - t_both) / min(t_m, t_c)))
+
+
+def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, float, float, float]:
+    """(matmul TFLOP/s, memory GB/s, latency us per step, gloo GB/s, overlap share) of one rank while ``ranks``
+    run at once.
     A ring all-reduce over 2 ranks takes 2 steps and moves the message once each way: t = 2 x latency + bytes /
     bandwidth. The barrier after each call adds about one more small message, measured with the small size and
     so subtracted."""
@@ -81,10 +113,10 @@ def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, 
         port = probe.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_probe, args=(ranks, port, threads, repeats, results), nprocs=ranks, start_method="spawn")
-    rate, memory, t_small, t_large = results.get()
+    rate, memory, t_small, t_large, hidden = results.get()
     latency = t_small / (2 * (ranks - 1) + 1)  # the all-reduce's steps and the barrier's one
     bandwidth = LARGE * 4 * 2 * (ranks - 1) / ranks / max(t_large - t_small, 1e-9) / 1e9
-    return rate, memory, latency * 1e6, bandwidth
+    return rate, memory, latency * 1e6, bandwidth, hidden
 
 
 def calibrate(threads: int = 1, ranks: int | None = None) -> DeviceProfile:
@@ -92,18 +124,20 @@ def calibrate(threads: int = 1, ranks: int | None = None) -> DeviceProfile:
     as many as the cores hold) run at once while measuring."""
     cores = os.cpu_count() or 1
     ranks = ranks or max(2, cores // threads)
-    rate, memory, latency, bandwidth = measure(ranks, threads)
+    rate, memory, latency, bandwidth, hidden = measure(ranks, threads)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     where = (f"measured by `partitioner calibrate --threads {threads}` on {date.today()}, {ranks} ranks at once "
              f"on {cores} cores")
     return DeviceProfile(
         name="cpu-gloo", matmul_tflops=round(rate, 4), memory_gbps=round(memory, 2), memory_bytes=ram // ranks,
         ranks_per_chip=ranks, local_gbps=round(bandwidth, 3), link_gbps=round(bandwidth, 3),
-        latency_us=round(latency, 1),
+        latency_us=round(latency, 1), overlap=round(hidden, 2),
         sources={"device": f"one rank of a CPU run: a process of {threads} thread(s); every rank on this host",
                  "matmul_tflops": f"float32 1024 x 1024 matmul, best of 5, {where}",
                  "memory_gbps": f"a + b over 2^25 float32 elements (3 x 128 MiB moved), best of 5, {where}",
                  "memory_bytes": "this host's physical memory / ranks",
                  "local_gbps": f"gloo all_reduce of 16 MiB, best of 10, {where}",
                  "link_gbps": "the same as local_gbps: there is no second chip",
-                 "latency_us": f"gloo all_reduce of 8 bytes, best of 10, {where}"})
+                 "latency_us": f"gloo all_reduce of 8 bytes, best of 10, {where}",
+                 "overlap": f"a 16 MiB all_reduce and a 1024 x 1024 matmul, alone and at once, medians of 10, "
+                            f"{where}"})

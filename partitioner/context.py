@@ -11,6 +11,34 @@ from .mesh import MeshSpec
 from .trace import GraphInput
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Which communication/computation overlap techniques a rank's graph gets (``partition(..., overlap=)``):
+    ``chunk_reductions`` splits a row-parallel linear so its all_reduce overlaps its own matmul, ``schedule``
+    issues collectives early and waits late with independent compute in between. ``profile``: the device profile
+    (``partitioner/profiles``) whose costs decide both; None picks it from the mesh's device type."""
+    chunk_reductions: bool = True
+    schedule: bool = True
+    profile: object = None  # a profile name, JSON path or DeviceProfile
+
+    @classmethod
+    def parse(cls, value) -> "Overlap":
+        if isinstance(value, Overlap):
+            return value
+        if isinstance(value, bool):
+            return cls(value, value)
+        fields = ("chunk_reductions", "schedule", "profile")
+        if isinstance(value, dict) and set(value) <= set(fields):
+            return cls(**value)
+        from .errors import InputError
+
+        raise InputError(f"overlap={value!r}: use True, False or a dict with keys from {list(fields)}, e.g. "
+                         "{'chunk_reductions': False}")
+
+    def profile_for(self, device_type: str):
+        return self.profile or {"cpu": "cpu-gloo", "cuda": "h100-nvlink"}.get(device_type, "trn2")
+
+
 @dataclass
 class PassContext:
     mesh: MeshSpec
@@ -24,6 +52,7 @@ class PassContext:
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
     buckets: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # (input, dim) -> sizes (user)
     input_names: list[str] = field(default_factory=list)  # the flattened forward arguments' names
+    overlap: Overlap = field(default_factory=Overlap)  # communication/computation overlap techniques (user option)
     # Filled by the passes:
     linear_styles: dict[str, str] = field(default_factory=dict)  # module path -> colwise / rowwise / replicate
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
@@ -37,6 +66,8 @@ class PassContext:
     batch_split: dict[str, str] = field(default_factory=dict)  # input -> split along the batch, or why not (dp)
     padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
     #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)
+    chunked: dict[str, str] = field(default_factory=dict)  # row-parallel linear -> its chunks and why (chunk_reductions)
+    collective_order: list[str] = field(default_factory=list)  # collectives in issue order (schedule_collectives)
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it took (the runner)
     specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why

@@ -18,8 +18,10 @@
 
   plus a per-message latency for each step of the algorithm (ring all-reduce 2(n-1), all-gather and all-to-all
   n-1, a ring pass 1).
-- overlap: a ring attention's next key/value block travels while this block's attention runs, so a pass costs
-  only what its transfer exceeds that compute by; every other collective here is waited on at once (exposed).
+- overlap, in the graph's order (``schedule_collectives`` sets it): a functional collective with its own wait is
+  hidden by the compute between its issue and its wait, one collective on the link at a time; a ring attention's
+  next key/value block travels while this block's attention runs, so a pass costs only what its transfer exceeds
+  that compute by; the package's other collectives are waited on at once (exposed).
 
 This is why Ulysses on Trainium2 gains less than its compute suggests: TP=8 x Ulysses=4 puts the 4 Ulysses ranks of
 a tensor-parallel shard on one chip (all-to-all stays local) and spreads each TP group over 8 chips, so each chip's
@@ -50,6 +52,9 @@ class DeviceProfile:
     local_gbps: float  # bandwidth between the ranks of one chip, per rank, GB/s
     link_gbps: float  # bandwidth a chip's collective traffic leaves it at (one ring direction), GB/s
     latency_us: float  # per message (one step of a collective algorithm)
+    # share of a collective's time that compute running meanwhile can hide: 1 where collectives move data on
+    # engines of their own; a CPU gloo run reduces on the cores it computes on (calibrate measures it)
+    overlap: float = 1.0
     sources: dict[str, str] = field(default_factory=dict)  # where each figure comes from
 
     def __post_init__(self):
@@ -59,6 +64,8 @@ class DeviceProfile:
         bad = [f"{name}={getattr(self, name)!r}" for name in figures if not getattr(self, name) > 0]
         if self.latency_us < 0:
             bad.append(f"latency_us={self.latency_us!r}")
+        if not 0 <= self.overlap <= 1:
+            bad.append(f"overlap={self.overlap!r} (a share, from 0 to 1)")
         if bad:
             raise InputError(f"device profile {self.name!r}: {', '.join(bad)}; every figure must be positive")
 
@@ -66,11 +73,13 @@ class DeviceProfile:
         return json.dumps(asdict(self), indent=2) + "\n"
 
 
-def load_profile(name_or_path: str | Path) -> DeviceProfile:
+def load_profile(name_or_path: "str | Path | DeviceProfile") -> DeviceProfile:
     """A profile by name (``trn2``, ``h100-nvlink``, ``h200-nvlink``, ``cpu-gloo``: ``partitioner/profiles``) or
     from a JSON file (``partitioner calibrate`` writes one)."""
     from .errors import InputError
 
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILES / f"{name_or_path}.json"
@@ -167,17 +176,29 @@ def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[
 
 
 def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
-    """The step time of this rank's graph (``mesh``: its MeshSpec, for the groups' ranks)."""
+    """The step time of this rank's graph (``mesh``: its MeshSpec, for the groups' ranks), in the graph's order:
+    a clock advances by each node's compute; a collective starts when it is issued and the link is free (one
+    collective at a time), a synchronous one is waited on at once and an asynchronous one (a functional collective
+    with its own wait) only at its wait, so the compute scheduled between them covers it (the profile's
+    ``overlap`` share of it: the rest of that time the two contend)."""
     from .collectives import ring_attention
     from .report import collective_calls
 
-    compute = flops = moved = comm = exposed = 0.0
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    compute = flops = moved = comm = 0.0
+    clock = link_free = 0.0
+    flights = {}  # issued asynchronous collective -> (when it starts, when it arrives)
     by_kind: dict[str, float] = {}
     groups = {axis: mesh.groups(axis) for axis in mesh.axis_names}
     for node in gm.graph.nodes:
         seconds, node_flops, node_bytes = node_compute_s(node, profile)
         compute, flops, moved = compute + seconds, flops + node_flops, moved + node_bytes
+        if node.target is wait and node.args[0] in flights:
+            start, end = flights.pop(node.args[0])
+            overlapped = max(0.0, min(clock, end) - start)  # compute that ran while it was in flight
+            clock = max(clock, end) + (1 - profile.overlap) * overlapped
         if "collective" not in node.meta:
+            clock += seconds
             continue
         kind, axis = node.meta["collective"]
         size, calls = collective_calls(node)
@@ -185,11 +206,16 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
         one = collective_s(kind, size, mine, groups[axis], profile)
         comm += one * calls
         by_kind[kind] = by_kind.get(kind, 0.0) + one * calls
+        start = max(clock, link_free)
         if node.target is ring_attention:  # each pass hides behind one block's attention
-            exposed += calls * max(0.0, one - seconds / len(node.args[4]))
+            clock = start + seconds + calls * max(0.0, one - seconds / len(node.args[4]))
+            link_free = clock
+        elif any(user.target is wait for user in node.users):
+            link_free = start + one * calls
+            flights[node] = (start, link_free)
         else:
-            exposed += one * calls
-    return StepTime(compute, comm, exposed, flops, moved, by_kind)
+            clock = link_free = start + one * calls + seconds
+    return StepTime(compute, comm, max(0.0, clock - compute), flops, moved, by_kind)
 
 
 def with_overrides(profile: DeviceProfile, **figures) -> DeviceProfile:

@@ -20,6 +20,7 @@ import torch
 
 from . import cost
 from .api import partition_traced
+from .context import Overlap
 from .mesh import as_mesh_spec
 from .errors import InputError, PartitionError
 
@@ -148,11 +149,13 @@ def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = to
     return ((), {k: v.to(dtype) if v.is_floating_point() and k != "timestep" else v for k, v in inputs.items()})
 
 
-def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int = 1):
-    """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost)."""
+def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int = 1,
+                     profile: cost.DeviceProfile | None = None):
+    """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost), its
+    communication overlapped as ``profile``'s costs say (the one the layout is costed on)."""
     mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
     return partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)), mesh,
-                            model_name)
+                            model_name, overlap=Overlap(profile=profile or DEFAULT_PROFILE))
 
 
 def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None = None,
@@ -161,7 +164,7 @@ def estimate(traced, model_name: str, tp: int, ulysses: int, devices: int | None
     """Partition a copy of ``traced`` for rank 0 (the largest share where splits are uneven) and cost it."""
     profile = profile or cost.load_profile(DEFAULT_PROFILE)
     try:
-        partitioned = partition_layout(traced, model_name, tp, ulysses, ring)
+        partitioned = partition_layout(traced, model_name, tp, ulysses, ring, profile)
     except PartitionError as error:
         ranks = tp * ring * ulysses
         return LayoutEstimate(tp, ulysses, (devices or ranks) // ranks, device_memory=device_memory, ring=ring,

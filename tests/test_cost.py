@@ -165,4 +165,6 @@ def test_ulysses_speedup_on_trainium2_comes_from_the_chips_links(full_h3_768p):
     speedup = tp8.step_s / both.step_s
     assert 2.6 < speedup < 3.1, speedup
     figures = both.as_dict()
-    assert len(figures["ranks"]) == 32 and figures["exposed_comm_s"] == figures["comm_s"]  # nothing overlaps
+    assert len(figures["ranks"]) == 32 and figures["exposed_comm_s"] <= figures["comm_s"]
+    # at TP=8 the schedule hides most of the all_reduces behind the norms and modulation around them
+    assert tp8.exposed_comm_s < 0.6 * tp8.comm_s

@@ -10,7 +10,8 @@ from partitioner import partition
 from partitioner.testing import TINY_H3, h3_inputs, tiny_h3
 
 PASSES = ["00_export", "01_hoist_host", "02_pad_inputs", "03_gather_scatters", "04_annotate_heads", "05_plan_sharding",
-          "06_plan_sequence", "07_plan_batch", "08_insert_collectives", "09_localize"]
+          "06_plan_sequence", "07_plan_batch", "08_insert_collectives", "09_localize",
+          "10_chunk_reductions", "11_schedule_collectives"]
 TP = 2
 
 
@@ -64,7 +65,7 @@ def test_summary_txt(dumped):
     """The summary has node count, collectives and per-rank parameter bytes, and agrees with the report."""
     partitioned, directory = dumped
     report = partitioned.report()
-    final = (directory / "09_localize.txt").read_text()
+    final = (directory / "11_schedule_collectives.txt").read_text()
     assert f"nodes: {len(partitioned.graph_module.graph.nodes)}\n" in final
     assert f"collectives: all_reduce[tp] x{len(_rowwise(partitioned))}\n" in final
     assert f"parameter bytes per rank: {report.total_parameter_bytes} (float32=" in final

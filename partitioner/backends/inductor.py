@@ -14,16 +14,14 @@ Compilation happens at the first call, with that call's tensors as example input
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from ..regions import repeated_block, runs_of_blocks
 from .base import Backend, register
-
-_BLOCK = re.compile(r"\.\d+$")
 
 
 @dataclass
@@ -33,25 +31,9 @@ class CompileStats:
     reused: dict[str, int] = field(default_factory=dict)  # structure key -> how many regions share it
 
 
-def _block_of(node: Node) -> str | None:
-    """The outermost repeated block (a ModuleList child) a node belongs to, if any."""
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        if _BLOCK.search(path):
-            return path
-    return None
-
-
 def _region_ids(gm: GraphModule) -> dict[Node, int]:
     """Consecutive runs of nodes of one block (or of no block) form a region."""
-    ids, current, key = {}, -1, object()
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        block = _block_of(node)
-        if block != key:
-            current, key = current + 1, block
-        ids[node] = current
-    return ids
+    return {node: index for index, run in enumerate(runs_of_blocks(gm.graph.nodes)) for node in run}
 
 
 def _structure_key(module: GraphModule, inputs) -> str:
@@ -120,7 +102,7 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
     ids = _region_ids(gm)
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     stats.regions = sum(1 for n in split.graph.nodes if n.op == "call_module")
-    blocks = {f"submod_{ids[node]}" for node in ids if _block_of(node) is not None}
+    blocks = {f"submod_{ids[node]}" for node in ids if repeated_block(node) is not None}
     interpreter = _Interpreter(split, stats, blocks, compile_glue)
 
     def run_regions(*args):

@@ -29,7 +29,7 @@ from ..trace import GraphInput, Traced, TraceError, clean_export_graph, function
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
-_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout"}
+_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout", "overlap"}
 
 
 def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
@@ -64,7 +64,8 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT))
     dynamo_inputs = _graph_inputs(gm, example_inputs)
     build = functools.partial(_partition, gm, example_inputs, dynamo_inputs, mesh, options, partition_traced)
-    partitioned = build_agreed(build, mesh, groups, {"plan": options.get("plan")})
+    partitioned = build_agreed(build, mesh, groups, {"plan": options.get("plan"),
+                                                                  "overlap": options.get("overlap", True)})
     inputs = partitioned.ctx.inputs
     lowered, tensors = partitioned.lower(options.get("backend", "eager"), **options.get("compile_options", {}))
     tensors = dict(zip([gi.target for gi in inputs if gi.is_model_tensor], tensors()))
@@ -111,4 +112,4 @@ def _partition(gm, example_inputs, dynamo_inputs, mesh, options, partition_trace
     traced = Traced(graph, inputs, program.call_spec.in_spec, program.call_spec.out_spec, {}, state,
                     inspect.signature(gm.forward))
     return partition_traced(traced, mesh, type(gm).__name__, plan=options.get("plan"),
-                            dump_dir=options.get("dump_dir"))
+                            dump_dir=options.get("dump_dir"), overlap=options.get("overlap", True))

@@ -7,7 +7,8 @@ postcondition check, which pass placed each value (``meta["placed_by"]``), timin
 
 ``PLAN`` leaves the global graph with a placement on every value and a requirement on every input: that is the
 whole decision, and what the XLA backend hands to XLA's SPMD partitioner. ``TO_RANK`` turns it into one rank's
-program (explicit collectives, local shapes), for the eager, Inductor and Neuron backends.
+program (explicit collectives, local shapes) and schedules its communication to overlap its computation, for the
+eager, Inductor and Neuron backends.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (annotate_heads, gather_scatters, hoist_host, insert_collectives, localize, pad_inputs, plan_batch,
-               plan_sequence, plan_sharding)
+from . import (annotate_heads, chunk_reductions, gather_scatters, hoist_host, insert_collectives, localize,
+               pad_inputs, plan_batch, plan_sequence, plan_sharding, schedule_collectives)
 from .runner import run_passes
 
 
@@ -50,6 +51,12 @@ TO_RANK = (
          "every input of every node is placed as the node requires"),
     Pass("localize", localize.run, localize.check, ("insert_collectives",),
          "every value has this rank's shape; every sharded tensor has a slicing spec"),
+    Pass("chunk_reductions", chunk_reductions.run, chunk_reductions.check, ("localize",),
+         "a row-parallel linear whose all_reduce pays to hide runs in row chunks, each chunk's sum in flight "
+         "while the next chunk is computed"),
+    Pass("schedule_collectives", schedule_collectives.run, schedule_collectives.check, ("localize",),
+         "collectives issued as early as their inputs allow, waited on after the independent compute that covers "
+         "them; issue order unchanged"),
 )
 PIPELINE = PLAN + TO_RANK
 

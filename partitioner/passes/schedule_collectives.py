@@ -1,0 +1,192 @@
+"""schedule_collectives: issue each collective as early as its inputs allow and wait on it as late as there is
+independent compute to run meanwhile.
+
+Requires: localize has run (this rank's shapes, which the compute estimates read).
+Guarantees: the graph computes the same values; collectives are issued in the same order as before (every rank
+runs the same collectives in the same order, whatever this rank's own estimates); no node moves out of its
+repeated block's run of nodes (Inductor's regions stay whole, one compilation per distinct block).
+
+The rule is a list schedule over each run of nodes, in the original order except that
+- a collective whose turn has come (its inputs computed, every earlier collective issued) goes first;
+- a wait (``wait_tensor``) gives way to any other node that is ready while the collective's estimated time on the
+  device profile (``partitioner.cost``; the share of it compute can hide, the profile's ``overlap``) is not yet
+  covered by the compute run since it was issued. Giving way past that would only keep more values alive, so it
+  stops there; on a profile where nothing can be hidden nothing moves.
+Overlap is never bought with memory: a node is hoisted over a wait only while the run's values stay within the
+bytes they hold at once in the original order (``peak_bytes``: a value computed early lives longer); a run whose
+whole schedule still holds more (what is hoisted stays alive while later nodes run) is scheduled again with a
+lower bound for hoisting (``HOIST_LIMITS``), and keeps its original order if none holds.
+Synchronous collectives (the package's all_gather, all_to_all, ring attention, sharded norms) keep their places in
+the collective order; only functional collectives with their own wait are overlapped.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..context import PassContext
+from ..cost import collective_s, load_profile, node_compute_s
+from ..errors import InvariantError
+from ..regions import runs_of_blocks
+from ..report import aliases, collective_calls, nbytes
+
+functional = torch.ops._c10d_functional
+# Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
+HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
+
+
+def issues_collective(node: Node) -> bool:
+    return "collective" in node.meta or (
+        "_c10d_functional" in str(node.target) and node.target is not functional.wait_tensor.default)
+
+
+def _is_wait(node: Node) -> bool:
+    return node.target is functional.wait_tensor.default
+
+
+class _Live:
+    """The bytes a run's values hold as its nodes are scheduled: each from the node that makes it (or the run's
+    start) to its last use (to the run's end when a later node reads it); a view keeps what it views alive and
+    holds nothing itself."""
+
+    def __init__(self, run: list[Node]):
+        inside = set(run)
+        self.owner: dict[Node, Node | None] = {}
+        # values made before the run and read in it live until their last use here, or on if read later too
+        # (parameters and inputs always live: left out; a view of an earlier value is not counted again)
+        earlier = {n for node in run for n in node.all_input_nodes
+                   if n not in inside and n.op != "placeholder" and not aliases(n)}
+        for node in earlier:
+            self.owner[node] = node
+        for node in run:
+            if aliases(node):
+                self.owner[node] = self.owner.get(node.args[0]) if node.args[0] in inside else None
+            else:
+                self.owner[node] = node
+        self.uses: Counter = Counter()  # owner -> uses not yet scheduled (a use after the run never is)
+        for node in [*earlier, *run]:
+            if self.owner[node] is not None:
+                for user in node.users:
+                    self.uses[self.owner[node]] += 1 if user in inside else len(run) + 1
+        self.bytes = sum(nbytes(node.meta.get("val")) for node in earlier)
+
+    def _change(self, node: Node) -> tuple[int, int]:
+        """(bytes ``node`` adds, bytes freed once it has run)."""
+        added = nbytes(node.meta.get("val")) if self.owner[node] is node else 0
+        reads = Counter(self.owner[n] for n in node.all_input_nodes if self.owner.get(n) is not None)
+        freed = sum(nbytes(owner.meta.get("val")) for owner, k in reads.items() if self.uses[owner] == k)
+        return added, freed + (added if self.uses[node] == 0 else 0)
+
+    def peak_if_next(self, node: Node) -> int:
+        return self.bytes + self._change(node)[0]
+
+    def schedule(self, node: Node) -> int:
+        """Schedule ``node``; returns the bytes held while it runs."""
+        added, freed = self._change(node)
+        for n in node.all_input_nodes:
+            if self.owner.get(n) is not None:
+                self.uses[self.owner[n]] -= 1
+        held = self.bytes + added
+        self.bytes = held - freed
+        return held
+
+
+def peak_bytes(order: list[Node]) -> int:
+    """The most bytes a run's own values hold at once in this order (``_Live``)."""
+    live = _Live(order)
+    return max((live.schedule(node) for node in order), default=0)
+
+
+def _order(run: list[Node], compute_s, comm_s, limit: float) -> list[Node]:
+    """The schedule of one run of nodes (see the module docstring); a node is hoisted over a wait only while the
+    run's values hold at most ``limit`` bytes."""
+    position = {node: i for i, node in enumerate(run)}
+    missing = {node: sum(1 for n in node.all_input_nodes if n in position) for node in run}
+    collectives = [node for node in run if issues_collective(node)]
+    ready = [(position[node], node) for node in run if missing[node] == 0]
+    heapq.heapify(ready)
+    uncovered: dict[Node, float] = {}  # issued collective -> its estimated time not yet covered by compute
+    order, turn, live = [], 0, _Live(run)
+
+    def eligible(node: Node) -> bool:
+        return not issues_collective(node) or collectives[turn] is node
+
+    while ready:
+        candidates = [node for _, node in sorted(ready) if eligible(node)]
+        if not candidates:
+            raise InvariantError(f"schedule_collectives: no node of {run[0].name}..{run[-1].name} can run next")
+        chosen = next((node for node in candidates if issues_collective(node)), None)
+        if chosen is None:
+            chosen = candidates[0]
+            if _is_wait(chosen) and uncovered.get(chosen.args[0], 0.0) > 0:
+                chosen = next((node for node in candidates
+                               if not _is_wait(node) and live.peak_if_next(node) <= limit), chosen)
+        ready.remove((position[chosen], chosen))
+        heapq.heapify(ready)
+        order.append(chosen)
+        live.schedule(chosen)
+        spent = compute_s(chosen)  # (a ring attention both communicates and computes)
+        for issued in uncovered:
+            uncovered[issued] = max(0.0, uncovered[issued] - spent)
+        if issues_collective(chosen):
+            turn += 1
+            if any(_is_wait(user) for user in chosen.users):
+                uncovered[chosen] = comm_s(chosen)
+        if _is_wait(chosen):
+            uncovered.pop(chosen.args[0], None)
+        for user in chosen.users:
+            if user in missing:
+                missing[user] -= 1
+                if missing[user] == 0:
+                    heapq.heappush(ready, (position[user], user))
+    if len(order) != len(run):
+        raise InvariantError(f"schedule_collectives: scheduled {len(order)} of {len(run)} nodes")
+    return order
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    ctx.collective_order = [node.name for node in gm.graph.nodes if issues_collective(node)]
+    if not ctx.overlap.schedule or ctx.mesh.world_size == 1:
+        return gm
+    profile = load_profile(ctx.overlap.profile_for(ctx.mesh.device_type))
+    groups = {axis: ctx.mesh.groups(axis) for axis in ctx.mesh.axis_names}
+
+    def comm_s(node: Node) -> float:
+        kind, axis = node.meta.get("collective", ("all_reduce", None))
+        if axis is None:
+            return 0.0
+        size, calls = collective_calls(node)
+        mine = next(g for g in groups[axis] if ctx.mesh.rank in g)
+        return profile.overlap * calls * collective_s(kind, size, mine, groups[axis], profile)
+
+    def compute_s(node: Node) -> float:
+        return node_compute_s(node, profile)[0]
+
+    first = next(node for node in gm.graph.nodes if node.op != "placeholder")
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:  # (a local slice may sit between them)
+        first.prepend(node)
+    for run_ in runs_of_blocks(gm.graph.nodes):
+        limit = peak_bytes(run_)
+        for share in HOIST_LIMITS:  # overlap must not cost memory: hoist less until the run's peak holds
+            order = _order(run_, compute_s, comm_s, share * limit)
+            if peak_bytes(order) <= limit:
+                break
+        else:
+            continue
+        anchor = run_[0].prev
+        for node in order:
+            anchor.append(node)
+            anchor = node
+    return gm
+
+
+def check(gm: GraphModule, ctx: PassContext) -> None:
+    """Postcondition: the collectives are issued in the order they had before the pass."""
+    now = [node.name for node in gm.graph.nodes if issues_collective(node)]
+    if now != ctx.collective_order:
+        raise InvariantError("schedule_collectives changed the order in which collectives are issued, which every "
+                             "rank must share")

@@ -1,0 +1,178 @@
+"""Communication/computation overlap (chunk_reductions, schedule_collectives): exact on real gloo ranks with every
+technique on and off, and the scheduled graph's structure.
+
+Tolerance: as in test_tp_numerics (float32, atol = rtol = 1e-5). Chunking a row-parallel linear splits its rows,
+never its reduction dim, and reordering independent nodes changes no arithmetic, so the overlapped program differs
+from the plain one by nothing but what tensor parallelism itself reorders. The negative control drops one chunk's
+all_reduce and misses by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from partitioner.testing import TINY_H3, drop_all_reduce, h3_inputs, run_ranks, tiny_h3
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+ROWS = dict(text=16, video=224, audio=16)  # 256 packed rows: two chunks of 64 rows even on a Ulysses shard
+VARIANTS = {"on": True, "off": False, "no chunks": {"chunk_reductions": False}, "no schedule": {"schedule": False}}
+functional = torch.ops._c10d_functional
+
+
+@pytest.fixture(scope="module")
+def slow_links(tmp_path_factory) -> str:
+    """A device profile on which the tiny model's row-parallel matmuls and their all_reduces take about as long as
+    each other (about 0.1 s each), where chunking pays most: every one with enough rows is chunked."""
+    from partitioner.cost import load_profile
+
+    profile = dict(vars(load_profile("cpu-gloo")), name="slow-links", matmul_tflops=1e-5, local_gbps=5e-4,
+                   link_gbps=5e-4, latency_us=0.0, overlap=1.0)
+    path = tmp_path_factory.mktemp("profile") / "slow-links.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def _overlap(variant, profile: str | None) -> dict:
+    options = {"chunk_reductions": variant, "schedule": variant} if isinstance(variant, bool) else dict(variant)
+    return {**options, "profile": profile} if profile else options
+
+
+def _cases(rank: int, world: int, axes: tuple[str, ...], profile: str, backend: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import partitioner
+
+    mesh = init_device_mesh("cpu", (2,) * len(axes), mesh_dim_names=axes)
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    errors, chunked = {}, {}
+    for name, variant in VARIANTS.items():
+        partitioned = partitioner.partition(model, mesh, ((), inputs), overlap=_overlap(variant, profile))
+        with torch.no_grad():
+            actual = partitioned.compile(backend)(**inputs).sample
+        errors[name] = float((actual - expected).abs().max())
+        chunked[name] = sum(1 for n in partitioned.graph_module.graph.nodes if n.target is functional.all_reduce.default)
+    dropped = partitioner.partition(model, mesh, ((), inputs), overlap=_overlap(True, profile))
+    drop_all_reduce(dropped, "transformer_blocks.1.ff.net.2")  # the first of its chunks' sums
+    with torch.no_grad():
+        errors["one chunk's all_reduce dropped"] = float((dropped.compile()(**inputs).sample - expected).abs().max())
+    return dict(errors=errors, all_reduces=chunked, scale=float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("axes,backend", [(("tp",), "eager"), (("tp",), "inductor"), (("tp", "ulysses"), "eager")],
+                         ids=["tp2-eager", "tp2-inductor", "tp2xu2-eager"])
+def test_every_technique_is_exact(axes, backend, slow_links):
+    for result in run_ranks(2 ** len(axes), _cases, axes, slow_links, backend):
+        errors, scale = result["errors"], result["scale"]
+        bound = TOLERANCE["atol"] + TOLERANCE["rtol"] * scale
+        for variant in VARIANTS:
+            assert errors[variant] <= bound, (variant, errors)
+        assert errors["one chunk's all_reduce dropped"] > 1e-3, errors
+        counts = result["all_reduces"]
+        assert counts["on"] > counts["off"] == counts["no chunks"], counts  # the slow links did chunk
+
+
+def _graph(overlap, profile=None, mesh=None):
+    import partitioner
+
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
+    return partitioner.partition(model, mesh or {"tp": 2}, ((), inputs), overlap=_overlap(overlap, profile))
+
+
+def _between(nodes: list, start, wait) -> list:
+    return nodes[nodes.index(start) + 1:nodes.index(wait)]
+
+
+def test_schedule_issues_early_and_waits_after_independent_compute(slow_links):
+    """Each chunk's all_reduce is issued before the next chunk's matmul and waited on after it; the AdaLN
+    projection's all_reduce is in flight while the block's first norm runs."""
+    partitioned = _graph(True, slow_links)
+    nodes = list(partitioned.graph_module.graph.nodes)
+    reduces = [n for n in nodes if n.target is functional.all_reduce.default]
+    ff = [n for n in reduces if "transformer_blocks.0.ff.net.2" in str(n.meta["nn_module_stack"])]
+    assert len(ff) >= 2, "the slow-link profile chunks the FFN's down projection"
+    assert any(n.target is torch.ops.aten.linear.default and n.args[0] is not ff[0].args[0].args[0]
+               for n in _between(nodes, ff[0], next(iter(ff[0].users))))
+    adaln = next(n for n in reduces if "transformer_blocks.0.adaln_proj" in str(n.meta["nn_module_stack"]))
+    assert any(n.target is torch.ops.aten.rms_norm.default for n in _between(nodes, adaln, next(iter(adaln.users))))
+    assert f"{len(ff)} chunks" in partitioned.explain("transformer_blocks.0.ff.net.2")
+
+
+def test_without_overlap_every_wait_follows_its_collective():
+    nodes = list(_graph(False).graph_module.graph.nodes)
+    for node in nodes:
+        if node.target is functional.all_reduce.default:
+            assert nodes[nodes.index(node) + 1] is next(iter(node.users))
+
+
+def test_schedule_keeps_the_collective_order():
+    """Every rank must issue the same collectives in the same order: scheduling moves compute, never them."""
+    from partitioner.passes.schedule_collectives import issues_collective
+
+    def order(partitioned):
+        return [n.name for n in partitioned.graph_module.graph.nodes if issues_collective(n)]
+
+    mesh = {"tp": 2, "ulysses": 2}
+    assert order(_graph({"chunk_reductions": False}, mesh=mesh)) == \
+        order(_graph({"chunk_reductions": False, "schedule": False}, mesh=mesh))
+
+
+def test_chunks_are_decided_alike_on_every_rank(slow_links):
+    """Uneven shards give ranks different local shapes; the number of chunks (how many all_reduces a rank
+    issues) must not depend on them."""
+    import partitioner
+
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
+    counts = set()
+    for rank in range(3):
+        partitioned = partitioner.partition(model, {"tp": 3}, ((), inputs), rank=rank,
+                                            overlap={"profile": slow_links})
+        counts.add(sum(1 for n in partitioned.graph_module.graph.nodes if n.target is functional.all_reduce.default))
+    assert len(counts) == 1, counts
+
+
+def test_bad_overlap_option_is_named():
+    from partitioner.errors import InputError
+
+    with pytest.raises(InputError, match="overlap="):
+        _graph({"chunks": 4})
+
+
+def _profile(path, **figures) -> str:
+    from partitioner.cost import load_profile
+
+    with open(path) as f:
+        profile = dict(json.load(f), **figures)
+    out = path.replace(".json", "-" + "-".join(f"{k}{v}" for k, v in figures.items()) + ".json")
+    with open(out, "w") as f:
+        json.dump(profile, f)
+    load_profile(out)  # (valid)
+    return out
+
+
+def test_nothing_moves_where_nothing_can_hide(slow_links):
+    """On a profile whose collectives hide nothing behind compute (overlap 0) the rule neither chunks nor
+    reorders: the graph is the one without overlap."""
+    from partitioner.dump import graph_code
+
+    hidden_nothing = _profile(slow_links, overlap=0.0)
+    assert graph_code(_graph(True, hidden_nothing).graph_module) == graph_code(_graph(False).graph_module)
+
+
+def test_step_time_credits_the_schedule(slow_links):
+    """The cost model reads the schedule: the compute between an all_reduce and its wait hides it, as far as the
+    profile's overlap share says; with every wait right after its collective nothing is hidden."""
+    from partitioner.cost import load_profile, step_time
+
+    overlapped, plain = _graph(True, slow_links), _graph(False)
+    full, none = load_profile(slow_links), load_profile(_profile(slow_links, overlap=0.0))
+    mesh = overlapped.ctx.mesh
+    assert step_time(overlapped.graph_module, mesh, full).exposed_comm_s < \
+        0.8 * step_time(overlapped.graph_module, mesh, none).exposed_comm_s
+    assert step_time(plain.graph_module, mesh, full).exposed_comm_s == \
+        pytest.approx(step_time(plain.graph_module, mesh, none).exposed_comm_s)
+    assert step_time(overlapped.graph_module, mesh, full).step_s < step_time(plain.graph_module, mesh, full).step_s
