@@ -369,10 +369,12 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
 
 
 def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
-    """The plan ranks compare: the global graph with its placements and shapes; device indices left out (each
-    rank has its own GPU)."""
+    """The plan ranks compare: the global graph with its placements and shapes, and how many chunks each
+    row-parallel all_reduce is issued in (a profile file that differs between hosts would make ranks issue
+    different collectives); device indices left out (each rank has its own GPU)."""
     device = re.compile(r"device\(type='(\w+)', index=\d+\)")
-    return [device.sub(r"device(type='\1')", line) for line in plan_lines(partitioned.planned_graph, header)]
+    chunks = [f"all_reduce of {path}: {how.split(' (')[0]}" for path, how in sorted(partitioned.ctx.chunked.items())]
+    return [device.sub(r"device(type='\1')", line) for line in plan_lines(partitioned.planned_graph, header)] + chunks
 
 
 def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:

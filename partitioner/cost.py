@@ -187,16 +187,16 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
     wait = torch.ops._c10d_functional.wait_tensor.default
     compute = flops = moved = comm = 0.0
     clock = link_free = 0.0
-    flights = {}  # issued asynchronous collective -> (when it starts, when it arrives)
+    flights = {}  # issued asynchronous collective -> (when it starts, when it arrives, compute done at its issue)
     by_kind: dict[str, float] = {}
     groups = {axis: mesh.groups(axis) for axis in mesh.axis_names}
     for node in gm.graph.nodes:
         seconds, node_flops, node_bytes = node_compute_s(node, profile)
         compute, flops, moved = compute + seconds, flops + node_flops, moved + node_bytes
         if node.target is wait and node.args[0] in flights:
-            start, end = flights.pop(node.args[0])
-            overlapped = max(0.0, min(clock, end) - start)  # compute that ran while it was in flight
-            clock = max(clock, end) + (1 - profile.overlap) * overlapped
+            start, end, computed = flights.pop(node.args[0])
+            overlapped = min(compute - seconds - computed, end - start)  # compute that ran while it was in flight
+            clock = max(clock, end) + (1 - profile.overlap) * max(0.0, overlapped)
         if "collective" not in node.meta:
             clock += seconds
             continue
@@ -212,7 +212,7 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
             link_free = clock
         elif any(user.target is wait for user in node.users):
             link_free = start + one * calls
-            flights[node] = (start, link_free)
+            flights[node] = (start, link_free, compute)
         else:
             clock = link_free = start + one * calls + seconds
     return StepTime(compute, comm, max(0.0, clock - compute), flops, moved, by_kind)

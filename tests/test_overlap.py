@@ -121,18 +121,33 @@ def test_schedule_keeps_the_collective_order():
         order(_graph({"chunk_reductions": False, "schedule": False}, mesh=mesh))
 
 
-def test_chunks_are_decided_alike_on_every_rank(slow_links):
-    """Uneven shards give ranks different local shapes; the number of chunks (how many all_reduces a rank
-    issues) must not depend on them."""
+@pytest.mark.parametrize("video,chunked", [(351, False), (354, True)], ids=["127-128-rows", "128-129-rows"])
+def test_chunks_are_decided_alike_on_every_rank(slow_links, video, chunked):
+    """Ulysses=3 gives ranks uneven rows (383 rows: 128, 128, 127; 386: 129, 129, 128) and TP=2 uneven heads'
+    widths; the number of chunks (how many all_reduces a rank issues) must not depend on them: chunks keep 64 rows,
+    so 127 rows on one rank means one chunk on every rank, 128 on every rank two."""
     import partitioner
 
-    model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3, text=16, video=video, audio=16)
     counts = set()
-    for rank in range(3):
-        partitioned = partitioner.partition(model, {"tp": 3}, ((), inputs), rank=rank,
+    for rank in range(6):
+        partitioned = partitioner.partition(model, {"tp": 2, "ulysses": 3}, ((), inputs), rank=rank,
                                             overlap={"profile": slow_links})
         counts.add(sum(1 for n in partitioned.graph_module.graph.nodes if n.target is functional.all_reduce.default))
+    plain = partitioner.partition(model, {"tp": 2, "ulysses": 3}, ((), inputs), overlap=False)
+    unchunked = sum(1 for n in plain.graph_module.graph.nodes if n.target is functional.all_reduce.default)
     assert len(counts) == 1, counts
+    assert (counts.pop() > unchunked) == chunked
+
+
+def test_ranks_agree_on_the_chunks(slow_links):
+    """The plan the ranks compare names each row-parallel all_reduce's chunks: a profile file that differs
+    between hosts (other chunks, other collectives) is a disagreement, not a hang."""
+    from partitioner.api import _plan_lines
+
+    lines = _plan_lines(_graph(True, slow_links), [])
+    assert any(line.startswith("all_reduce of transformer_blocks.0.ff.net.2: ") and "chunks" in line for line in lines)
+    assert not any(line.startswith("all_reduce of") for line in _plan_lines(_graph(False), []))
 
 
 def test_bad_overlap_option_is_named():

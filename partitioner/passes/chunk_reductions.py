@@ -78,8 +78,8 @@ def _chunks(linear: Node, reduce: Node, ctx: PassContext, profile) -> tuple[int,
     return best, why
 
 
-def _like(node: Node, like: Node, val) -> Node:
-    node.meta.update({key: like.meta[key] for key in ("placements", "nn_module_stack", "collective") if key in like.meta})
+def _like(node: Node, like: Node, val, keys=("placements", "nn_module_stack", "collective")) -> Node:
+    node.meta.update({key: like.meta[key] for key in keys if key in like.meta})
     node.meta["val"], node.meta["global_shape"] = val, None  # (a chunk has no global shape of its own)
     return node
 
@@ -94,8 +94,9 @@ def _split(linear: Node, reduce: Node, wait: Node, n: int) -> None:
     reduces = []
     for start, size in zip(starts, sizes):
         with graph.inserting_before(linear):
-            piece = _like(graph.call_function(aten.slice.Tensor, (x, dim, start, start + size)), x,
-                          x.meta["val"].narrow(dim, start, size))
+            piece = _like(graph.call_function(aten.slice.Tensor, (x, dim, start, start + size)), linear,
+                          x.meta["val"].narrow(dim, start, size), keys=("nn_module_stack",))  # (in the linear's region)
+            piece.meta["placements"] = x.meta["placements"]
             part = _like(graph.call_function(aten.linear.default, (piece, weight)), linear,
                          linear.meta["val"].narrow(dim, start, size))
             reduces.append(_like(graph.call_function(functional.all_reduce.default, (part, *reduce.args[1:])),

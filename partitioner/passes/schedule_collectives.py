@@ -48,6 +48,13 @@ def _is_wait(node: Node) -> bool:
     return node.target is functional.wait_tensor.default
 
 
+def _base(node: Node) -> Node:
+    """What a view (a chain of views) views."""
+    while aliases(node):
+        node = node.args[0]
+    return node
+
+
 class _Live:
     """The bytes a run's values hold as its nodes are scheduled: each from the node that makes it (or the run's
     start) to its last use (to the run's end when a later node reads it); a view keeps what it views alive and
@@ -56,20 +63,22 @@ class _Live:
     def __init__(self, run: list[Node]):
         inside = set(run)
         self.owner: dict[Node, Node | None] = {}
-        # values made before the run and read in it live until their last use here, or on if read later too
-        # (parameters and inputs always live: left out; a view of an earlier value is not counted again)
-        earlier = {n for node in run for n in node.all_input_nodes
-                   if n not in inside and n.op != "placeholder" and not aliases(n)}
+        # values made before the run and read in it (through views too) live until their last use here, or on if
+        # read later; parameters and inputs always live and are left out
+        earlier = {_base(n) for node in run for n in node.all_input_nodes if n not in inside}
+        earlier = {n for n in earlier if n not in inside and n.op != "placeholder"}
         for node in earlier:
             self.owner[node] = node
         for node in run:
-            if aliases(node):
-                self.owner[node] = self.owner.get(node.args[0]) if node.args[0] in inside else None
-            else:
-                self.owner[node] = node
+            if node.op == "placeholder":
+                continue
+            for n in node.all_input_nodes:
+                if n not in inside and n not in self.owner:  # an earlier view: it reads what it views
+                    self.owner[n] = self.owner.get(_base(n))
+            self.owner[node] = self.owner.get(_base(node)) if aliases(node) else node
         self.uses: Counter = Counter()  # owner -> uses not yet scheduled (a use after the run never is)
-        for node in [*earlier, *run]:
-            if self.owner[node] is not None:
+        for node in {*earlier, *run, *(n for node in run for n in node.all_input_nodes if n in self.owner)}:
+            if self.owner.get(node) is not None:
                 for user in node.users:
                     self.uses[self.owner[node]] += 1 if user in inside else len(run) + 1
         self.bytes = sum(nbytes(node.meta.get("val")) for node in earlier)
