@@ -7,9 +7,10 @@ synchronised by a barrier around every step):
   single process, 1 thread / 2 threads           the unpartitioned model
   partitioner eager, TP=2, <variant>              our per-rank graph, op by op
   partitioner inductor, TP=2, <variant>           the same graph compiled by Inductor (regional)
-    variants: overlap on (the default), without chunk_reductions, without schedule_collectives, overlap off,
-    and the rules' choice as if communication hid fully behind compute (cpu-gloo with overlap 1: chunks and
-    moves what a GPU profile would); a rank times its variants taking turns, step by step
+    variants: overlap on (the default), without chunk_reductions, without schedule_collectives, without
+    plan_tp_sequence, overlap off, the rules' choice as if communication hid fully behind compute (cpu-gloo with
+    overlap 1: chunks and moves what a GPU profile would), and the rows between the tp regions sharded over tp
+    whatever the cost rule says (communication costed free); a rank times its variants taking turns, step by step
   DTensor parallelize_module, TP=2                the module-hook approach with the equivalent hand-written plan
 It prints ratios, the parallel efficiency (1-thread time / (workers x time), workers being ranks or threads),
 bytes communicated per step, and
@@ -104,9 +105,20 @@ def _as_if_hidden():
     return dataclasses.replace(load_profile("cpu-gloo"), name="cpu-gloo, overlap 1", overlap=1.0)
 
 
+def _free_links():
+    """cpu-gloo with communication that costs nothing: plan_tp_sequence always shards the rows between the tp
+    regions (and chunk_reductions, with nothing to hide, chunks nothing)."""
+    import dataclasses
+
+    from partitioner.cost import load_profile
+
+    return dataclasses.replace(load_profile("cpu-gloo"), name="cpu-gloo, free links", local_gbps=1e9, link_gbps=1e9,
+                               latency_us=0.0, overlap=0.0)
+
+
 OVERLAP = {"overlap on": True, "no chunk_reductions": {"chunk_reductions": False},
-           "no schedule": {"schedule": False}, "overlap off": False,
-           "as if comm hid fully": "as-if-hidden"}
+           "no schedule": {"schedule": False}, "no tp_sequence": {"tp_sequence": False}, "overlap off": False,
+           "as if comm hid fully": "as-if-hidden", "rows sharded over tp (forced)": "free-links"}
 
 
 def _interleaved(steps: dict, repeats: int, synchronise) -> dict:
@@ -144,7 +156,9 @@ def tensor_parallel(rank: int, world: int, mode: str, repeats: int) -> dict:
         steps["dtensor"] = lambda: model(**inputs)  # noqa: E731
     else:
         for name, overlap in OVERLAP.items():
-            overlap = {"profile": _as_if_hidden()} if overlap == "as-if-hidden" else overlap
+            profile = {"as-if-hidden": _as_if_hidden, "free-links": _free_links}.get(overlap) \
+                if isinstance(overlap, str) else None
+            overlap = {"profile": profile()} if profile else overlap
             partitioned = partitioner.partition(model, mesh, ((), inputs), overlap=overlap)
             steps[name] = functools.partial(partitioned.compile(mode), **inputs)
             sent[name] = sum(c.count * c.bytes_per_call for c in partitioned.report().collectives)

@@ -141,8 +141,10 @@ class Partitioned:
         (on a dp/cfg axis) whether an input is split along the batch and why not; with no path, every decision, a
         line each."""
         if module_path is None:
-            return "\n".join(self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
-                                                              *self.ctx.batch_split])
+            lines = [self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
+                                                     *self.ctx.batch_split]]
+            return "\n".join(lines + ([f"between the tp regions: {self.ctx.tp_sequence}"] if self.ctx.tp_sequence
+                                      else []))
         if module_path in self.ctx.sequence_attention:
             return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
         if module_path in self.ctx.batch_split:
@@ -154,8 +156,9 @@ class Partitioned:
                                    f"{known[:3]}")
         reason = self.ctx.replicated_because.get(module_path)
         chunked = self.ctx.chunked.get(module_path)
+        scattered = self.ctx.reduce_scattered.get(module_path)
         return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "") + \
-            (f"; its all_reduce {chunked}" if chunked else "")
+            (f"; its all_reduce {chunked}" if chunked else "") + (f"; its sum {scattered}" if scattered else "")
 
     def verify(self, *args, rtol: float = 1e-4, atol: float = 1e-5, **kwargs):
         """Run this rank's program and the unpartitioned model on the same forward arguments and compare every

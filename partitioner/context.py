@@ -15,19 +15,21 @@ from .trace import GraphInput
 class Overlap:
     """Which communication/computation overlap techniques a rank's graph gets (``partition(..., overlap=)``):
     ``chunk_reductions`` splits a row-parallel linear so its all_reduce overlaps its own matmul, ``schedule``
-    issues collectives early and waits late with independent compute in between. ``profile``: the device profile
-    (``partitioner/profiles``) whose costs decide both; None picks it from the mesh's device type."""
+    issues collectives early and waits late with independent compute in between, ``tp_sequence`` shards the rows
+    over tp between the tensor-parallel regions instead of repeating them on every rank. ``profile``: the device
+    profile (``partitioner/profiles``) whose costs decide all three; None picks it from the mesh's device type."""
     chunk_reductions: bool = True
     schedule: bool = True
     profile: object = None  # a profile name, JSON path or DeviceProfile
+    tp_sequence: bool = True
 
     @classmethod
     def parse(cls, value) -> "Overlap":
         if isinstance(value, Overlap):
             return value
         if isinstance(value, bool):
-            return cls(value, value)
-        fields = ("chunk_reductions", "schedule", "profile")
+            return cls(chunk_reductions=value, schedule=value, tp_sequence=value)
+        fields = ("chunk_reductions", "schedule", "profile", "tp_sequence")
         if isinstance(value, dict) and set(value) <= set(fields):
             return cls(**value)
         from .errors import InputError
@@ -67,6 +69,8 @@ class PassContext:
     padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
     #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)
     chunked: dict[str, str] = field(default_factory=dict)  # row-parallel linear -> its chunks and why (chunk_reductions)
+    tp_sequence: str = ""  # whether rows are sharded over tp between the tp regions, and why (plan_tp_sequence)
+    reduce_scattered: dict[str, str] = field(default_factory=dict)  # row-parallel linear -> rows its sum scatters
     collective_order: list[str] = field(default_factory=list)  # collectives in issue order (schedule_collectives)
     host: object = None  # HostProgram (hoist_host): the CPU prologue, when the model has data-dependent ops
     pass_seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it took (the runner)

@@ -14,10 +14,11 @@
   chip's link per call, for b result bytes per rank, m of the group's ranks per chip and c groups per chip:
 
       all_reduce (ring over chips)   c x 2(k-1)/k x b        all_gather      c x (k-1)/k x b
+      reduce_scatter (b: its input)  c x (k-1)/k x b
       all_to_all (pairwise)          c x m(n-m)/n x b        ring pass       c x b (one rank per chip sends on)
 
-  plus a per-message latency for each step of the algorithm (ring all-reduce 2(n-1), all-gather and all-to-all
-  n-1, a ring pass 1).
+  plus a per-message latency for each step of the algorithm (ring all-reduce 2(n-1), all-gather, reduce-scatter
+  and all-to-all n-1, a ring pass 1).
 - overlap, in the graph's order (``schedule_collectives`` sets it): a functional collective with its own wait is
   hidden by the compute between its issue and its wait, one collective on the link at a time; a ring attention's
   next key/value block travels while this block's attention runs, so a pass costs only what its transfer exceeds
@@ -128,9 +129,9 @@ def matmul_flops(node) -> float:
 
 def _only_moves_data(node) -> bool:
     """A collective that computes nothing (sharded norms and ring attention compute as well as communicate)."""
-    from .collectives import all_gather, all_to_all
+    from .collectives import all_gather, all_to_all, reduce_scatter
 
-    return node.target in (all_gather, all_to_all) or "_c10d_functional" in str(node.target)
+    return node.target in (all_gather, all_to_all, reduce_scatter) or "_c10d_functional" in str(node.target)
 
 
 def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:
@@ -148,8 +149,10 @@ def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:
 # ---- communication ----
 
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+         "reduce_scatter": lambda n: n - 1,
          "ring_pass": lambda n: 1}
 _LOCAL = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n,
           "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0}
 
 
@@ -169,8 +172,8 @@ def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[
         return latency + result_bytes * _LOCAL[kind](n) / (profile.local_gbps * 1e9)
     # the groups of this axis with ranks on the busiest chip share its link
     concurrent = sum(any(rank // profile.ranks_per_chip == busiest for rank in g) for g in groups)
-    per_chip = {"all_reduce": 2 * (k - 1) / k, "all_gather": (k - 1) / k, "all_to_all": m * (n - m) / n,
-                "ring_pass": 1.0}[kind] * result_bytes
+    per_chip = {"all_reduce": 2 * (k - 1) / k, "all_gather": (k - 1) / k, "reduce_scatter": (k - 1) / k,
+                "all_to_all": m * (n - m) / n, "ring_pass": 1.0}[kind] * result_bytes
     local = result_bytes * _LOCAL[kind](m) / (profile.local_gbps * 1e9) if m > 1 and kind != "ring_pass" else 0.0
     return latency + local + concurrent * per_chip / (profile.link_gbps * 1e9)
 

@@ -11,6 +11,10 @@ A value's placement says how the per-rank tensor relates to the global one along
   every block. With one block and ``unit`` 1 it is exactly ``Shard(dim)``; ``packed_shard`` builds the simplest
   form.
 
+- ``InnerShard(dim)``: ``Shard(dim)`` split last, inside every other axis's shard of ``dim`` instead of in mesh
+  order: tp's rows within a ulysses (or ring) shard of the sequence (``plan_tp_sequence``), so that gathering them
+  over tp gives that shard back. Only the passes that build a rank's program meet it; the planning rules never do.
+
 Shards need not be even: ``n`` ranks split ``k`` units as ``shard_sizes`` says, the first ``k % n`` ranks one unit
 larger (56 heads over 16 ranks: 8 ranks with 4 heads, 8 with 3).
 
@@ -26,8 +30,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from .errors import PartitionError
 
-__all__ = ["Partial", "PackedShard", "Placement", "Replicate", "Shard", "block_offsets", "local_shape", "packed_shard",
-           "shard_slices", "shard_widths", "shorthand", "unit_of"]
+__all__ = ["InnerShard", "Partial", "PackedShard", "Placement", "Replicate", "Shard", "block_offsets", "local_shape",
+           "packed_shard", "shard_slices", "shard_widths", "shorthand", "split_order", "unit_of"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,14 @@ class PackedShard:
     def __repr__(self) -> str:
         unit = f", unit={self.unit}" if self.unit != 1 else ""
         return f"PackedShard({self.dim}, {list(self.blocks)}{unit})"
+
+
+@dataclass(frozen=True)
+class InnerShard:
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"InnerShard({self.dim})"
 
 
 def packed_shard(dim: int, blocks, unit: int, num: int):
@@ -63,7 +75,7 @@ def unit_of(placement) -> int:
 
 
 def is_sharded(placement) -> bool:
-    return isinstance(placement, (Shard, PackedShard))
+    return isinstance(placement, (Shard, PackedShard, InnerShard))
 
 
 def any_sharded(placement) -> bool:
@@ -107,14 +119,20 @@ def shard_widths(placement, size: int, num: int) -> list[int]:
     return [sum(end - start for start, end in shard_slices(placement, size, num, index)) for index in range(num)]
 
 
+def split_order(placements: dict, mesh) -> list[str]:
+    """The order in which the mesh axes split a value: mesh order, ``InnerShard`` axes last."""
+    inner = [axis for axis in mesh.axis_names if isinstance(placements.get(axis), InnerShard)]
+    return [axis for axis in mesh.axis_names if axis not in inner] + inner
+
+
 def local_shape(shape, placements: dict, mesh, upto: str | None = None) -> list[int]:
     """This rank's shape of a value of global ``shape`` under ``placements`` (axis name -> placement).
 
     Axes apply in mesh order: a dim sharded over two axes is split by the outer axis, then the outer shard by the
-    inner axis (DTensor's convention). With ``upto``, only the axes before that one apply: the size the ``upto``
-    axis itself splits."""
+    inner axis (DTensor's convention); an ``InnerShard`` splits after every other axis. With ``upto``, only the
+    axes that apply before that one do: the size the ``upto`` axis itself splits."""
     out = list(shape)
-    for axis in mesh.axis_names:
+    for axis in split_order(placements, mesh):
         if axis == upto:
             break
         placement = placements.get(axis)
@@ -134,7 +152,7 @@ def slice_local(tensor: torch.Tensor, placement, num: int, index: int) -> torch.
 
 
 def shorthand(placement) -> str:
-    """Compact form used in dumps: R, S(2), P, S(2)[96,96], S(2)[7168]/128 (in whole units of 128)."""
+    """Compact form used in dumps: R, S(2), P, S(2)[96,96], S(2)[7168]/128 (in whole units of 128), S(1)in (inner)."""
     if isinstance(placement, Replicate):
         return "R"
     if isinstance(placement, Partial):
@@ -144,4 +162,6 @@ def shorthand(placement) -> str:
     if isinstance(placement, PackedShard):
         unit = f"/{placement.unit}" if placement.unit != 1 else ""
         return f"S({placement.dim}){list(placement.blocks)}{unit}"
+    if isinstance(placement, InnerShard):
+        return f"S({placement.dim})in"
     return str(placement)

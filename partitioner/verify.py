@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
 from .errors import VerificationError
-from .placement import Partial, is_sharded, shorthand, slice_local
+from .placement import Partial, is_sharded, shorthand, slice_local, split_order
 from .runtime import place_graph_on
 from .trace import source_line
 
@@ -61,7 +61,7 @@ def _local_part(value, placements: dict, mesh):
                 for i, v in enumerate(value)]
     if not isinstance(value, torch.Tensor):
         return value
-    for axis in mesh.axis_names:
+    for axis in split_order(placements, mesh):
         placement = placements.get(axis)
         if isinstance(placement, Partial):
             return None

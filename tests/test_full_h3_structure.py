@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from partitioner import collectives
 from partitioner.testing import fake_mesh, full_h3_on_meta
 
 TP = 8
@@ -38,14 +39,21 @@ def test_partition_is_fast(full_h3):
     assert full_h3[3] < 120
 
 
+def _sums(partitioned) -> list:
+    """The nodes that sum partial results over tp: all_reduces, and reduce-scatters where plan_tp_sequence shards
+    the rows between the tp regions (on cpu-gloo, this fixture's profile, it pays for full-size H3)."""
+    return [n for n in partitioned.graph_module.graph.nodes
+            if n.target in (functional.all_reduce.default, collectives.reduce_scatter)]
+
+
 def test_all_reduces_per_block(full_h3):
-    """3 all_reduces per transformer block: AdaLN table (row-wise on its input dim), attention output projection,
+    """3 sums per transformer block: AdaLN table (row-wise on its input dim), attention output projection,
     feed-forward down projection. 2 per refiner block (no AdaLN). Outside the blocks: the timestep MLP's second
     linear, the text embedder (row-wise: 512 rows against 5120 features), and the two output heads (row-wise after
-    the column-sharded modulation of norm_out). Nothing else communicates."""
+    the column-sharded modulation of norm_out). Nothing else sums; the rows between the regions are
+    reduce-scattered after both output projections of a block and gathered before its q/k/v and feed-forward."""
     model, partitioned, mesh, _ = full_h3
-    per_module = Counter(_module_of(n) for n in partitioned.graph_module.graph.nodes
-                         if n.target is functional.all_reduce.default)
+    per_module = Counter(_module_of(n) for n in _sums(partitioned))
     per_block = Counter(re.sub(r"^transformer_blocks\.\d+\.", "", m) for m in per_module
                         if m.startswith("transformer_blocks."))
     assert per_block == {"adaln_proj.linear": 50, "attn.to_out.0": 50, "ff.net.2": 50}
@@ -55,10 +63,13 @@ def test_all_reduces_per_block(full_h3):
     outside = {m for m in per_module if not m.startswith(("transformer_blocks.", "token_refiner."))}
     assert outside == {"time_embedder.linear_2", "context_embedder", "proj_out", "audio_proj_out"}
     assert all(count == 1 for count in per_module.values())
-    assert partitioned.report().count("all_reduce") == 3 * 50 + 2 * 2 + 4
+    report = partitioned.report()
+    assert report.count("all_reduce") + report.count("reduce_scatter") == 3 * 50 + 2 * 2 + 4
+    scattered = Counter(re.sub(r"^transformer_blocks\.\d+\.", "", _module_of(n)) for n in _sums(partitioned)
+                        if n.target is collectives.reduce_scatter and _module_of(n).startswith("transformer_blocks."))
+    assert scattered == {"attn.to_out.0": 50, "ff.net.2": 50}, partitioned.ctx.tp_sequence
     group = mesh.get_group("tp").group_name
-    assert all(n.args[2] == group for n in partitioned.graph_module.graph.nodes
-               if n.target is functional.all_reduce.default)
+    assert all(n.args[-1] == group for n in _sums(partitioned))
 
 
 def test_every_block_linear_sharded_as_planned(full_h3):

@@ -36,7 +36,8 @@ def slow_links(tmp_path_factory) -> str:
 
 
 def _overlap(variant, profile: str | None) -> dict:
-    options = {"chunk_reductions": variant, "schedule": variant} if isinstance(variant, bool) else dict(variant)
+    options = {"chunk_reductions": variant, "schedule": variant, "tp_sequence": variant} if isinstance(variant, bool) \
+        else dict(variant)
     return {**options, "profile": profile} if profile else options
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (annotate_heads, chunk_reductions, gather_scatters, hoist_host, insert_collectives, localize,
-               pad_inputs, plan_batch, plan_sequence, plan_sharding, schedule_collectives)
+               pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, schedule_collectives)
 from .runner import run_passes
 
 
@@ -45,6 +45,9 @@ PLAN = (
          "every value has a 'ulysses' placement and every input a 'ulysses' requirement"),
     Pass("plan_batch", plan_batch.run, plan_batch.check, ("plan_sequence",),
          "on a dp/cfg axis every value has a batch placement: inputs split along the batch, outputs gathered"),
+    Pass("plan_tp_sequence", plan_tp_sequence.run, plan_tp_sequence.check, ("plan_batch",),
+         "where it pays, the values between the tp regions are sharded along their rows over tp (reduce-scattered "
+         "in, all-gathered out) instead of repeated on every tp rank"),
 )
 TO_RANK = (
     Pass("insert_collectives", insert_collectives.run, insert_collectives.check, ("plan_sharding", "plan_sequence"),

@@ -5,6 +5,8 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
   consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
+- Partial -> Shard, when every consumer wants the same plain shard (``plan_tp_sequence``'s rows):
+  ``collectives.reduce_scatter``, the bias moved after it likewise.
 - Shard -> Replicate: ``collectives.all_gather`` (uneven shards padded to the largest, then trimmed).
 - Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
@@ -23,7 +25,8 @@ from torch.fx import GraphModule, Node
 from ..context import PassContext
 from ..errors import InvariantError
 from .. import collectives
-from ..placement import PackedShard, Partial, Replicate, is_sharded, local_shape, shard_slices, shard_widths
+from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, is_sharded, local_shape, shard_slices,
+                         shard_widths)
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
 
@@ -49,8 +52,9 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
     return node
 
 
-def _move_bias_after(linear: Node, reduced: Node, axis: str) -> Node:
-    """linear(x, W_shard, b) summed over ranks would add b once per rank: add it once after the sum."""
+def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Node:
+    """linear(x, W_shard, b) summed over ranks would add b once per rank: add it once after the sum (``placement``:
+    the sum's, a bias has no rows to shard)."""
     bias = linear.args[2]
     linear.args = linear.args[:2]
     for requirements in linear.meta["required"].values():
@@ -58,7 +62,7 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str) -> Node:
     graph = linear.graph
     with graph.inserting_after(reduced):
         added = graph.call_function(aten.add.Tensor, (reduced, bias))
-    return _annotate(added, linear, axis, R, {reduced: R, bias: R})
+    return _annotate(added, linear, axis, placement, {reduced: placement, bias: R})
 
 
 def _rekey(user: Node, old: Node, new: Node) -> None:
@@ -85,11 +89,40 @@ def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
     return result
 
 
+def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
+    graph = producer.graph
+    users = list(producer.users)
+    args = (producer, placement.dim, _axis_sizes(producer, placement, axis, ctx), ctx.mesh.coordinate(axis),
+            ctx.mesh.group_name(axis))
+    with graph.inserting_after(producer):
+        scatter = graph.call_function(collectives.reduce_scatter, args)
+    result = _annotate(scatter, producer, axis, placement, {producer: Partial()}, "reduce_scatter")
+    if producer.target is aten.linear.default and len(producer.args) > 2 and producer.args[2] is not None:
+        result = _move_bias_after(producer, scatter, axis, placement)
+    for user in users:
+        user.replace_input_with(producer, result)
+        _rekey(user, producer, result)
+    return result
+
+
+def _scattered_as(producer: Node, axis: str):
+    """The plain shard every consumer of a partial sum wants over ``axis``, if they all want the same one."""
+    wanted = {repr(p): p for p in (user.meta["required"].get(axis, {}).get(producer) for user in producer.users)}
+    placement = next(iter(wanted.values())) if len(wanted) == 1 else None
+    return placement if isinstance(placement, (Shard, InnerShard)) else None
+
+
 def _axis_sizes(producer: Node, placement, axis: str, ctx: PassContext) -> list[int]:
     """How many elements of ``placement``'s dim each rank of ``axis`` holds: the size left by outer axes, split as
     the placement says (as evenly as can be, in whole units)."""
-    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[placement.dim]
-    return shard_widths(placement, size, ctx.mesh.size(axis))
+    return shard_widths(placement, _split_size(producer, placement, axis, ctx), ctx.mesh.size(axis))
+
+
+def _split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
+    """The size of ``placement``'s dim that ``axis`` splits: what the axes applied before it leave (all the others
+    for an ``InnerShard``)."""
+    placements = {**producer.meta["placements"], axis: placement}
+    return local_shape(producer.meta["val"].shape, placements, ctx.mesh, upto=axis)[placement.dim]
 
 
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
@@ -127,7 +160,7 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     """This rank's part of a replicated value: free, no communication."""
     graph = producer.graph
-    size = local_shape(producer.meta["val"].shape, producer.meta["placements"], ctx.mesh, upto=axis)[placement.dim]
+    size = _split_size(producer, placement, axis, ctx)
     ranges = shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
     pieces, anchor = [], producer
     for start, end in ranges:
@@ -158,16 +191,20 @@ def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext
 
 
 def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
-    """Every partial sum is reduced right after its producer, before any other axis moves it: a row-wise
-    linear's bias is moved after the reduction only when the reduction reads the linear itself (a value gathered
-    over a batch axis first would add the bias once per rank)."""
+    """Every partial sum is reduced (or reduce-scattered) right after its producer, before any other axis moves it:
+    a row-wise linear's bias is moved after the reduction only when the reduction reads the linear itself (a value
+    gathered over a batch axis first would add the bias once per rank)."""
     for axis in ctx.mesh.axis_names:
         for node in list(gm.graph.nodes):
             for producer in list(node.all_input_nodes):
                 required = node.meta["required"].get(axis, {}).get(producer)
                 if isinstance(producer.meta["placements"][axis], Partial) and required is not None \
                         and not isinstance(required, (tuple, Partial)):
-                    _all_reduce(producer, axis, ctx)
+                    scattered = _scattered_as(producer, axis)
+                    if scattered is not None:
+                        _reduce_scatter(producer, scattered, axis, ctx)
+                    else:
+                        _all_reduce(producer, axis, ctx)
 
 
 def _required_local_shape(node: Node, source: Node, ctx: PassContext) -> list[int]:
@@ -296,9 +333,9 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
 
 def _kind(current, required) -> str:
     if current == R and is_sharded(required):
-        return "slice"
+        return "slice_inner" if isinstance(required, InnerShard) else "slice"
     if is_sharded(current) and required == R:
-        return "gather"
+        return "gather_inner" if isinstance(current, InnerShard) else "gather"
     return "exchange"  # all_to_all, or a partial sum reduced
 
 
@@ -307,8 +344,10 @@ def _phases(axis_names: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
     of the outer (tp then ulysses on heads; ring then ulysses on rows), and each collective's sizes assume the
     layout the others leave: slices are taken outer axis first (as local_shape splits), exchanges then run in mesh
     order on those shards, and gathers come last, inner axis first (an outer gather is a plain concatenation only
-    once no inner axis splits the dim)."""
-    return [("slice", axis_names), ("exchange", axis_names), ("gather", tuple(reversed(axis_names)))]
+    once no inner axis splits the dim). An ``InnerShard`` splits inside every other axis: sliced after all others,
+    gathered before them."""
+    return [("slice", axis_names), ("slice_inner", axis_names), ("exchange", axis_names),
+            ("gather_inner", axis_names), ("gather", tuple(reversed(axis_names)))]
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:

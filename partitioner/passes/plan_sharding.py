@@ -57,7 +57,8 @@ class _Propagation:
     units: dict[Node, int] = field(default_factory=dict)  # seed -> the coarser unit its sharding must split in
 
 
-def _linear_path(linear: Node, fqns: dict[Node, str]) -> str:
+def linear_path(linear: Node, fqns: dict[Node, str]) -> str:
+    """A Linear's module path: its weight's, without the last name."""
     weight = linear.args[1]
     return fqns[weight].rsplit(".", 1)[0] if weight in fqns else linear.name
 
@@ -175,7 +176,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         raise too_many
     fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
-    paths = {linear: _linear_path(linear, fqns) for linear in linears}
+    paths = {linear: linear_path(linear, fqns) for linear in linears}
     forced = _match_overrides(paths, ctx.plan)
     roles, gathered, reasons = LinearRoles(), set(), {}
     if degree > 1:  # at degree 1 nothing is sharded: the partition is the identity
