@@ -3,7 +3,8 @@
 Each rank of a CPU run is one process; ``threads`` is how many threads it computes with (the multi-rank tests and
 benchmarks use one). Measured with every rank measuring at once (they share the memory bus as in a run): a
 float32 matmul's rate, a large add's memory bandwidth, gloo's all_reduce between the ranks, small (latency)
-and large (bandwidth), and how much of an all_reduce a matmul running meanwhile hides (overlap). All ranks sit on this host: one "chip".
+and large (bandwidth), its reduce_scatter against that all_reduce, and how much of an all_reduce a matmul running
+meanwhile hides (overlap). All ranks sit on this host: one "chip".
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def _probe(rank: int, world: int, port: int, threads: int, repeats: int, results
                 dist.all_reduce(x)
                 dist.barrier()
             times.append(_best_of(repeats, reduce))
+        x, piece = torch.ones(LARGE), torch.empty(LARGE // world)
+
+        def scatter():
+            dist.reduce_scatter_tensor(piece, x)
+            dist.barrier()
+        times.append(_best_of(repeats, scatter))
         hidden = overlap_share(repeats)
         if rank == 0:
             results.put((rate, memory, *times, hidden))
@@ -98,9 +105,9 @@ def overlap_share(repeats: int, size: int = 1024) -> float:
     return min(1.0, max(0.0, (t_m + t_c - t_both) / min(t_m, t_c)))
 
 
-def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, float, float, float]:
-    """(matmul TFLOP/s, memory GB/s, latency us per step, gloo GB/s, overlap share) of one rank while ``ranks``
-    run at once.
+def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, float, float, float, float]:
+    """(matmul TFLOP/s, memory GB/s, latency us per step, gloo GB/s, overlap share, reduce-scatter share) of one
+    rank while ``ranks`` run at once.
     A ring all-reduce over 2 ranks takes 2 steps and moves the message once each way: t = 2 x latency + bytes /
     bandwidth. The barrier after each call adds about one more small message, measured with the small size and
     so subtracted."""
@@ -113,10 +120,11 @@ def measure(ranks: int, threads: int, repeats: int = 10) -> tuple[float, float, 
         port = probe.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_probe, args=(ranks, port, threads, repeats, results), nprocs=ranks, start_method="spawn")
-    rate, memory, t_small, t_large, hidden = results.get()
+    rate, memory, t_small, t_large, t_scatter, hidden = results.get()
     latency = t_small / (2 * (ranks - 1) + 1)  # the all-reduce's steps and the barrier's one
     bandwidth = LARGE * 4 * 2 * (ranks - 1) / ranks / max(t_large - t_small, 1e-9) / 1e9
-    return rate, memory, latency * 1e6, bandwidth, hidden
+    scatter_share = min(1.0, max(0.05, (t_scatter - t_small) / max(t_large - t_small, 1e-9)))
+    return rate, memory, latency * 1e6, bandwidth, hidden, scatter_share
 
 
 def calibrate(threads: int = 1, ranks: int | None = None) -> DeviceProfile:
@@ -124,14 +132,14 @@ def calibrate(threads: int = 1, ranks: int | None = None) -> DeviceProfile:
     as many as the cores hold) run at once while measuring."""
     cores = os.cpu_count() or 1
     ranks = ranks or max(2, cores // threads)
-    rate, memory, latency, bandwidth, hidden = measure(ranks, threads)
+    rate, memory, latency, bandwidth, hidden, scatter_share = measure(ranks, threads)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     where = (f"measured by `partitioner calibrate --threads {threads}` on {date.today()}, {ranks} ranks at once "
              f"on {cores} cores")
     return DeviceProfile(
         name="cpu-gloo", matmul_tflops=round(rate, 4), memory_gbps=round(memory, 2), memory_bytes=ram // ranks,
         ranks_per_chip=ranks, local_gbps=round(bandwidth, 3), link_gbps=round(bandwidth, 3),
-        latency_us=round(latency, 1), overlap=round(hidden, 2),
+        latency_us=round(latency, 1), overlap=round(hidden, 2), reduce_scatter_share=round(scatter_share, 2),
         sources={"device": f"one rank of a CPU run: a process of {threads} thread(s); every rank on this host",
                  "matmul_tflops": f"float32 1024 x 1024 matmul, best of 5, {where}",
                  "memory_gbps": f"a + b over 2^25 float32 elements (3 x 128 MiB moved), best of 5, {where}",
@@ -140,4 +148,5 @@ def calibrate(threads: int = 1, ranks: int | None = None) -> DeviceProfile:
                  "link_gbps": "the same as local_gbps: there is no second chip",
                  "latency_us": f"gloo all_reduce of 8 bytes, best of 10, {where}",
                  "overlap": f"a 16 MiB all_reduce and a 1024 x 1024 matmul, alone and at once, medians of 10, "
-                            f"{where}"})
+                            f"{where}",
+                 "reduce_scatter_share": f"gloo reduce_scatter against all_reduce of 16 MiB, best of 10, {where}"})

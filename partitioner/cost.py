@@ -14,11 +14,11 @@
   chip's link per call, for b result bytes per rank, m of the group's ranks per chip and c groups per chip:
 
       all_reduce (ring over chips)   c x 2(k-1)/k x b        all_gather      c x (k-1)/k x b
-      reduce_scatter (b: its input)  c x (k-1)/k x b
       all_to_all (pairwise)          c x m(n-m)/n x b        ring pass       c x b (one rank per chip sends on)
 
-  plus a per-message latency for each step of the algorithm (ring all-reduce 2(n-1), all-gather, reduce-scatter
-  and all-to-all n-1, a ring pass 1).
+  plus a per-message latency for each step of the algorithm (ring all-reduce 2(n-1), all-gather and all-to-all
+  n-1, a ring pass 1). A reduce-scatter costs the profile's ``reduce_scatter_share`` of an all-reduce of its input
+  (a ring's first half: 0.5; gloo's measured 1.0).
 - overlap, in the graph's order (``schedule_collectives`` sets it): a functional collective with its own wait is
   hidden by the compute between its issue and its wait, one collective on the link at a time; a ring attention's
   next key/value block travels while this block's attention runs, so a pass costs only what its transfer exceeds
@@ -56,6 +56,9 @@ class DeviceProfile:
     # share of a collective's time that compute running meanwhile can hide: 1 where collectives move data on
     # engines of their own; a CPU gloo run reduces on the cores it computes on (calibrate measures it)
     overlap: float = 1.0
+    # a reduce-scatter's time as a share of an all_reduce of the same input: half on a ring (its first half);
+    # gloo's costs as much as the all_reduce (calibrate measures it)
+    reduce_scatter_share: float = 0.5
     sources: dict[str, str] = field(default_factory=dict)  # where each figure comes from
 
     def __post_init__(self):
@@ -67,6 +70,8 @@ class DeviceProfile:
             bad.append(f"latency_us={self.latency_us!r}")
         if not 0 <= self.overlap <= 1:
             bad.append(f"overlap={self.overlap!r} (a share, from 0 to 1)")
+        if not 0 < self.reduce_scatter_share <= 1:
+            bad.append(f"reduce_scatter_share={self.reduce_scatter_share!r} (a share, above 0, at most 1)")
         if bad:
             raise InputError(f"device profile {self.name!r}: {', '.join(bad)}; every figure must be positive")
 
@@ -149,10 +154,8 @@ def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:
 # ---- communication ----
 
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1,
-         "reduce_scatter": lambda n: n - 1,
          "ring_pass": lambda n: 1}
 _LOCAL = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n,
           "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0}
 
 
@@ -164,6 +167,8 @@ def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[
     n = len(group)
     if n == 1:
         return 0.0
+    if kind == "reduce_scatter":  # (``result_bytes``: what it sums)
+        return profile.reduce_scatter_share * collective_s("all_reduce", result_bytes, group, groups, profile)
     chips = Counter(rank // profile.ranks_per_chip for rank in group)
     k = len(chips)
     busiest, m = chips.most_common(1)[0]
@@ -172,8 +177,8 @@ def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[
         return latency + result_bytes * _LOCAL[kind](n) / (profile.local_gbps * 1e9)
     # the groups of this axis with ranks on the busiest chip share its link
     concurrent = sum(any(rank // profile.ranks_per_chip == busiest for rank in g) for g in groups)
-    per_chip = {"all_reduce": 2 * (k - 1) / k, "all_gather": (k - 1) / k, "reduce_scatter": (k - 1) / k,
-                "all_to_all": m * (n - m) / n, "ring_pass": 1.0}[kind] * result_bytes
+    per_chip = {"all_reduce": 2 * (k - 1) / k, "all_gather": (k - 1) / k, "all_to_all": m * (n - m) / n,
+                "ring_pass": 1.0}[kind] * result_bytes
     local = result_bytes * _LOCAL[kind](m) / (profile.local_gbps * 1e9) if m > 1 and kind != "ring_pass" else 0.0
     return latency + local + concurrent * per_chip / (profile.link_gbps * 1e9)
 

@@ -26,7 +26,7 @@ def full_h3():
     model, inputs = full_h3_on_meta()
     with fake_mesh((TP,), ("tp",), RANK) as mesh:
         start = time.perf_counter()
-        partitioned = partitioner.partition(model, mesh, ((), inputs))
+        partitioned = partitioner.partition(model, mesh, ((), inputs), overlap={"profile": "trn2"})
         yield model, partitioned, mesh, time.perf_counter() - start
 
 
@@ -41,7 +41,7 @@ def test_partition_is_fast(full_h3):
 
 def _sums(partitioned) -> list:
     """The nodes that sum partial results over tp: all_reduces, and reduce-scatters where plan_tp_sequence shards
-    the rows between the tp regions (on cpu-gloo, this fixture's profile, it pays for full-size H3)."""
+    the rows between the tp regions (on trn2, this fixture's profile, it pays for full-size H3)."""
     return [n for n in partitioned.graph_module.graph.nodes
             if n.target in (functional.all_reduce.default, collectives.reduce_scatter)]
 
