@@ -50,7 +50,8 @@ PLAN = (
          "in, all-gathered out) instead of repeated on every tp rank"),
 )
 TO_RANK = (
-    Pass("insert_collectives", insert_collectives.run, insert_collectives.check, ("plan_sharding", "plan_sequence"),
+    Pass("insert_collectives", insert_collectives.run, insert_collectives.check,
+         ("plan_sharding", "plan_sequence", "plan_tp_sequence"),
          "every input of every node is placed as the node requires"),
     Pass("localize", localize.run, localize.check, ("insert_collectives",),
          "every value has this rank's shape; every sharded tensor has a slicing spec"),

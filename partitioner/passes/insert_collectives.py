@@ -1,12 +1,13 @@
 """insert_collectives: redistribute every value whose placement differs from what its consumer requires.
 
-Requires: plan_sharding has run (``meta["placements"]`` and ``meta["required"]`` on every node).
+Requires: the PLAN passes have run (``meta["placements"]`` and ``meta["required"]`` on every node).
 Guarantees: for every edge, the producer's placement equals the consumer's requirement:
 
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
   consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
-- Partial -> Shard, when every consumer wants the same plain shard (``plan_tp_sequence``'s rows):
+- Partial -> Shard, when every consumer wants the same ``Shard`` or ``InnerShard`` (``plan_tp_sequence``'s rows):
   ``collectives.reduce_scatter``, the bias moved after it likewise.
+- an ``InnerShard`` (tp's rows inside a sequence axis's shard) is sliced after every other axis, gathered before.
 - Shard -> Replicate: ``collectives.all_gather`` (uneven shards padded to the largest, then trimmed).
 - Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
