@@ -81,9 +81,15 @@ def _all_reduce(producer: Node, axis: str, ctx: PassContext) -> Node:
     with graph.inserting_after(reduce):
         wait = graph.call_function(functional.wait_tensor.default, (reduce,))
     _annotate(reduce, producer, axis, Partial(), {producer: Partial()}, "all_reduce")
-    result = _annotate(wait, producer, axis, R, {reduce: Partial()})
+    return _replace_with_sum(producer, users, _annotate(wait, producer, axis, R, {reduce: Partial()}), axis, R)
+
+
+def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str, placement) -> Node:
+    """``summed``, the producer's sum over ``axis`` (placed ``placement``), is what its users read; a row-wise
+    linear's bias is added once, after the sum."""
+    result = summed
     if producer.target is aten.linear.default and len(producer.args) > 2 and producer.args[2] is not None:
-        result = _move_bias_after(producer, wait, axis)
+        result = _move_bias_after(producer, summed, axis, placement)
     for user in users:
         user.replace_input_with(producer, result)
         _rekey(user, producer, result)
@@ -97,13 +103,8 @@ def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> N
             ctx.mesh.group_name(axis))
     with graph.inserting_after(producer):
         scatter = graph.call_function(collectives.reduce_scatter, args)
-    result = _annotate(scatter, producer, axis, placement, {producer: Partial()}, "reduce_scatter")
-    if producer.target is aten.linear.default and len(producer.args) > 2 and producer.args[2] is not None:
-        result = _move_bias_after(producer, scatter, axis, placement)
-    for user in users:
-        user.replace_input_with(producer, result)
-        _rekey(user, producer, result)
-    return result
+    summed = _annotate(scatter, producer, axis, placement, {producer: Partial()}, "reduce_scatter")
+    return _replace_with_sum(producer, users, summed, axis, placement)
 
 
 def _scattered_as(producer: Node, axis: str):

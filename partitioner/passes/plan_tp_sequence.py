@@ -26,8 +26,7 @@ How:
 
 With a sequence axis (ulysses, ring) the rows are already split over it, and tp's row shard nests inside each of
 its shards (``InnerShard``): gathering over tp then gives back what the sequence axis holds. Not on a planning-only
-mesh (axis sizes): the XLA backend, which reads these placements, lets XLA place its own
-collectives.
+mesh (axis sizes): the XLA backend, which reads these placements, lets XLA place its own collectives.
 """
 
 from __future__ import annotations
@@ -40,12 +39,12 @@ from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..cost import collective_s, load_profile, node_compute_s
-from ..errors import InvariantError
 from ..placement import InnerShard, Partial, Replicate, Shard, any_sharded, is_sharded, local_shape
 from ..propagate import sweep
 from ..report import nbytes
 from ..rules import Decision, Unshardable, rule_for, shape_of
 from .plan_sequence import sequence_lengths
+from . import plan_sharding
 from .plan_sharding import linear_path
 
 AXIS = "tp"
@@ -58,7 +57,7 @@ def _replicated(placement) -> bool:
     return all(p is None or p == R for p in members)
 
 
-def tp_sharded_nodes(gm: GraphModule) -> set[Node]:
+def _tp_sharded_nodes(gm: GraphModule) -> set[Node]:
     """The nodes the tp plan shards: a sharded or partial output, or an input needed other than whole."""
     return {node for node in gm.graph.nodes
             if not _replicated(node.meta["placements"][AXIS])
@@ -143,7 +142,8 @@ def _scattered(seeds: dict[Node, int], decisions: dict) -> list[Node]:
             if all(decisions[user].inputs.get(seed) == Shard(seeds[seed]) for user in seed.users)]
 
 
-def _estimate(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[Node, int], ctx: PassContext):
+def _estimate(decisions: dict, sharded: set[Node], scattered: list[Node], gathered: set[Node], exchanged: set[Node],
+              ctx: PassContext):
     """(seconds of repeated work saved, seconds of communication added, the profile's name) on rank 0's group."""
     profile = load_profile(ctx.overlap.profile_for(ctx.mesh.device_type))
     degree, groups = ctx.mesh.size(AXIS), ctx.mesh.groups(AXIS)
@@ -165,10 +165,9 @@ def _estimate(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[
     # an all_reduce may hide behind compute (chunk_reductions, schedule_collectives), the reduce_scatter and
     # all_gather that replace it are waited on at once: the all_reduce is counted as well hidden as it may get
     hidden = profile.overlap if ctx.overlap.schedule or ctx.overlap.chunk_reductions else 0.0
-    added = sum(comm("reduce_scatter", seed) - (1 - hidden) * comm("all_reduce", seed)
-                for seed in _scattered(seeds, decisions))
-    added += sum(comm("all_gather", node) for node in _redistributed(gm, decisions, seeds, Replicate))
-    added += sum(comm("all_to_all", node, 1 / degree) for node in _redistributed(gm, decisions, seeds, Shard))
+    added = sum(comm("reduce_scatter", seed) - (1 - hidden) * comm("all_reduce", seed) for seed in scattered)
+    added += sum(comm("all_gather", node) for node in gathered)
+    added += sum(comm("all_to_all", node, 1 / degree) for node in exchanged)
     return saved, added, profile.name
 
 
@@ -236,7 +235,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION]
     lengths, _, _ = sequence_lengths(gm, attentions)
-    sharded = tp_sharded_nodes(gm)
+    sharded = _tp_sharded_nodes(gm)
     seeds = {node: dim for node in gm.graph.nodes if isinstance(node.meta["placements"][AXIS], Partial)
              and (dim := _row_dim(node, lengths)) is not None}
     while True:
@@ -248,8 +247,10 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not seeds:
         ctx.tp_sequence = "rows whole on every tp rank: no partial sum over tp has exactly one sequence-long dim"
         return gm
-    saved, added, profile = _estimate(gm, swept.decisions, sharded, seeds, ctx)
+    scattered = _scattered(seeds, swept.decisions)
     gathered = _redistributed(gm, swept.decisions, seeds, Replicate)
+    exchanged = _redistributed(gm, swept.decisions, seeds, Shard)
+    saved, added, profile = _estimate(swept.decisions, sharded, scattered, gathered, exchanged, ctx)
     figures = (f"{saved * 1e3:.3g} ms of repeated work saved against {added * 1e3:+.3g} ms of communication "
                f"(profile {profile})")
     if saved <= added:
@@ -261,7 +262,6 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     for node, (output, inputs) in nested.items():
         node.meta["placements"][AXIS], node.meta["required"][AXIS] = output, inputs
-    scattered = _scattered(seeds, swept.decisions)
     fqns = {n: gi.target for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     for seed in scattered:
         ctx.reduce_scattered[linear_path(seed, fqns)] = f"reduce-scattered along dim {seeds[seed]} (its rows)"
@@ -271,10 +271,5 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:
-    """Postcondition: every node has a tp placement, and its requirements name its own inputs."""
-    for node in gm.graph.nodes:
-        if AXIS not in node.meta["placements"]:
-            raise InvariantError(f"{node.name} has no tp placement")
-        for producer in node.meta["required"][AXIS]:
-            if producer not in node.all_input_nodes:
-                raise InvariantError(f"{node.name} requires a placement of {producer.name}, which it does not use")
+    """Postcondition: plan_sharding's, still (every node has a tp placement, its requirements name its inputs)."""
+    plan_sharding.check(gm, ctx)
