@@ -194,3 +194,16 @@ def test_a_reduce_scatter_is_sized_by_what_it_sums(free_links):
         profile = load_profile(name)
         assert collective_s("reduce_scatter", size, group, [group], profile) == \
             pytest.approx(share * collective_s("all_reduce", size, group, [group], profile))
+
+
+def test_rows_another_axis_splits_are_not_reshaped_for_tp_alone(free_links):
+    """Wan's output is unpatchified by a view that splits its rows into frames x height x width. Under TP=2 x
+    Ulysses=2 tp's rows nest inside Ulysses' shard, so the view's split, judged for tp alone, is not this rank's:
+    the rows are gathered before it (without the check, localize fails on the view's sizes)."""
+    import partitioner
+    from partitioner.testing.zoo import build, inputs
+
+    model, (args, kwargs) = build("wan"), inputs("wan")
+    with fake_mesh((2, 2), ("tp", "ulysses"), 3) as mesh:
+        partitioned = partitioner.partition(model, mesh, (args, kwargs), overlap={"profile": free_links})
+    assert "rows sharded over tp" in partitioned.ctx.tp_sequence and _kinds(partitioned)["reduce_scatter"] > 0

@@ -102,6 +102,8 @@ def _propagate(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degr
             outputs = decision.output if isinstance(decision.output, tuple) else (decision.output,)
             if any(is_sharded(p) and not isinstance(p, Shard) for p in outputs):
                 raise Unshardable("rows packed from parts")
+            if _reshapes_nested_rows(node, decision, outputs):
+                raise Unshardable("reshapes rows a sequence axis splits too")
             return decision
         return checked
 
@@ -125,6 +127,21 @@ def _propagate(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degr
         return decision
 
     return sweep(gm, rule_of, degree, adjust=adjust, is_seed=lambda node, decision: node in seeds)
+
+
+def _reshapes_nested_rows(node: Node, decision: Decision, outputs) -> bool:
+    """An op (a view splitting the rows into frames x height x width) that gives tp's row shard a dim of another
+    size, where another axis splits those rows too: the rule judged the split for tp alone, but tp's rows nest
+    inside the other axis's shard, so the sizes it checked are not this rank's."""
+    sizes = {shape_of(node)[p.dim] for p in outputs if isinstance(p, Shard) and shape_of(node)}
+    for source, placement in decision.inputs.items():
+        if not isinstance(placement, Shard) or not shape_of(source):
+            continue
+        others = [required.get(source) for axis, required in node.meta["required"].items() if axis != AXIS]
+        if any(is_sharded(p) and p.dim == placement.dim for p in others) and \
+                sizes - {shape_of(source)[placement.dim]}:
+            return True
+    return False
 
 
 def _redistributed(gm: GraphModule, decisions: dict, seeds: dict[Node, int], kind) -> set[Node]:
