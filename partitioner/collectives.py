@@ -162,3 +162,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             k, v = k_part.view(shape_k), v_part.view(shape_v)
             holder = source
     return out.to(q.dtype)
+
+
+def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                     padding: list[int], dilation: list[int], groups: int, dim: int, width: int, index: int,
+                     ranks: int, group_name: str) -> torch.Tensor:
+    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``): each
+    rank borrows ``width`` rows (the kernel's reach) from each neighbour, zeros beyond the first and the last rank
+    (the convolution's own zero padding), and convolves with no padding along ``dim``: its own output rows, exact.
+    One all_to_all_single whose only non-empty pieces go to and come from the two neighbours (a halo exchange)."""
+    rows = x.shape[dim]
+    halo = list(x.shape)
+    halo[dim] = width
+    piece = math.prod(halo)
+    neighbours = [r for r in (index - 1, index + 1) if 0 <= r < ranks]
+    sizes = [piece if r in neighbours else 0 for r in range(ranks)]
+    outgoing = {index - 1: x.narrow(dim, 0, width), index + 1: x.narrow(dim, rows - width, width)}
+    send = torch.cat([outgoing[r].reshape(-1) for r in neighbours])
+    received = dict(zip(neighbours, functional.wait_tensor(
+        functional.all_to_all_single(send, sizes, sizes, group_name)).split(piece)))
+    before, after = (received[r].view(halo) if r in received else x.new_zeros(halo) for r in (index - 1, index + 1))
+    padding = list(padding)
+    padding[dim - 2] = 0
+    return torch.ops.aten.convolution.default(torch.cat([before, x, after], dim), weight, bias, stride, padding,
+                                              dilation, False, [0] * len(padding), groups)

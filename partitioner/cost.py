@@ -153,10 +153,11 @@ def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:
 
 # ---- communication ----
 
+# (a halo exchange sends to and receives from both neighbours at once: one step, as a ring pass)
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1,
-         "ring_pass": lambda n: 1}
+         "ring_pass": lambda n: 1, "halo_exchange": lambda n: 1}
 _LOCAL = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0}
+          "all_to_all": lambda n: (n - 1) / n, "ring_pass": lambda n: 1.0, "halo_exchange": lambda n: 1.0}
 
 
 def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[list[int]],
@@ -178,8 +179,9 @@ def collective_s(kind: str, result_bytes: float, group: list[int], groups: list[
     # the groups of this axis with ranks on the busiest chip share its link
     concurrent = sum(any(rank // profile.ranks_per_chip == busiest for rank in g) for g in groups)
     per_chip = {"all_reduce": 2 * (k - 1) / k, "all_gather": (k - 1) / k, "all_to_all": m * (n - m) / n,
-                "ring_pass": 1.0}[kind] * result_bytes
-    local = result_bytes * _LOCAL[kind](m) / (profile.local_gbps * 1e9) if m > 1 and kind != "ring_pass" else 0.0
+                "ring_pass": 1.0, "halo_exchange": 1.0}[kind] * result_bytes
+    neighbours = kind in ("ring_pass", "halo_exchange")
+    local = result_bytes * _LOCAL[kind](m) / (profile.local_gbps * 1e9) if m > 1 and not neighbours else 0.0
     return latency + local + concurrent * per_chip / (profile.link_gbps * 1e9)
 
 

@@ -26,11 +26,12 @@ REFUSED = {
     "mochi": ("PartitionError", "data-dependent number that device ops use"),
 }
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
-# but Sana's (its self-attention is linear attention, not SDPA, so its cross-attention has no sequence to follow)
-# and H3's text refiner (its own short text sequence, left whole)
+# but H3's text refiner (its own short text sequence, left whole). Sana's self-attention is linear attention (not
+# SDPA): its rows stay split through it and through the depthwise convolution (a halo exchange), so its
+# cross-attentions run on this rank's query rows.
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 2,
-                    "hunyuan_video": 5}
+                    "hunyuan_video": 5, "sana": 2}
 
 
 @pytest.fixture(scope="module")
@@ -53,5 +54,7 @@ def test_zoo_model_is_exact_or_refused_for_a_documented_reason(pools, name, mode
         assert result["status"] == "exact", (rank, result)
     if "ulysses" in names:
         assert results[0]["attention_sharded"] >= SEQUENCE_SHARDED.get(name, 0), results[0]["unsharded"]
+        if name == "sana":  # the linear attentions' states summed, the depthwise convolutions' rows borrowed
+            assert {"all_reduce:ulysses", "halo_exchange:ulysses"} <= set(results[0]["collectives"]), results[0]
     if "tp" in names:
         assert results[0]["collectives"].get("all_reduce:tp", 0) > 0

@@ -117,6 +117,10 @@ def findings(gm: GraphModule, mesh, text_rows: int | None = None) -> list[Findin
                    "non-scalar CPU tensors (data-dependent work belongs in the host prologue)")
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
             found += _attention_findings(node, text_rows)
+        if node.target is collectives.halo_convolution:
+            refuse("a convolution over rows split by a sequence axis is not lowered for Neuron yet (its halo "
+                   "exchange sends all_to_all pieces of size zero to every rank but its neighbours); plan it "
+                   "without the sequence axis or with tp only")
         if node.target is collectives.ring_attention:
             refuse("ring attention is not lowered for Neuron yet (it passes key/value blocks with all_to_all "
                    "pieces of size zero, which Neuron's all-to-all groups are not known to accept); use a ulysses "

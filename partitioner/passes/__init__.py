@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (annotate_heads, chunk_reductions, gather_scatters, hoist_host, insert_collectives, localize,
-               pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, schedule_collectives)
+               pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs, schedule_collectives)
 from .runner import run_passes
 
 
@@ -37,9 +37,11 @@ PLAN = (
          "input dims padded to a bucket are read only row by row and by indices checked against the real rows"),
     Pass("gather_scatters", gather_scatters.run, gather_scatters.check, ("pad_inputs",),
          "on a sequence-parallel mesh, a sequence built by index_copy is a gather of rows each rank can build alone"),
+    Pass("pointwise_convs", pointwise_convs.run, pointwise_convs.check, (),
+         "every 1x1 convolution (stride 1, no padding, one group) is a linear over the channel dim"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
          "attentions and their projections carry meta['heads']; head splits infer the head count from head_dim"),
-    Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("annotate_heads",),
+    Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("pointwise_convs", "annotate_heads"),
          "every value has a 'tp' placement and every input a 'tp' requirement"),
     Pass("plan_sequence", plan_sequence.run, plan_sequence.check, ("plan_sharding",),
          "every value has a 'ulysses' placement and every input a 'ulysses' requirement"),

@@ -12,6 +12,7 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
 - an attention whose keys a ring axis shards: ``collectives.ring_attention`` (key/value blocks passed round).
+- a convolution whose rows a sequence axis splits: ``collectives.halo_convolution`` (rows borrowed from neighbours).
 
 New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 """
@@ -29,7 +30,9 @@ from .. import collectives
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, is_sharded, local_shape, shard_slices,
                          shard_widths)
 from ..rules import PartitionError
+from ..mesh import SEQUENCE_AXES
 from ..rules.attention import RING_AXES
+from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -333,6 +336,32 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         node.meta["collective"] = ("ring_pass", axis)
 
 
+def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
+    """A convolution whose input rows a sequence axis splits along a spatial dim becomes
+    ``collectives.halo_convolution``: each rank borrows the kernel's reach of rows from its two neighbours."""
+    for node in gm.graph.nodes:
+        if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
+            continue
+        x = node.args[0]
+        spatial = {axis: node.meta["required"][axis][x] for axis in SEQUENCE_AXES if axis in node.meta["required"]
+                   and is_sharded(node.meta["required"][axis].get(x, R)) and node.meta["required"][axis][x].dim >= 2}
+        if not spatial:
+            continue
+        dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]
+        if len(spatial) > 1 or dims.count(next(iter(spatial.values())).dim) > 1:
+            raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
+                                 f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
+        (axis, placement), = spatial.items()
+        stride, padding, dilation, _ = conv_arguments(node)
+        bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
+        node.target = collectives.halo_convolution
+        node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
+                     padding[placement.dim - 2], ctx.mesh.coordinate(axis), ctx.mesh.size(axis),
+                     ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("halo_exchange", axis)
+
+
 def _kind(current, required) -> str:
     if current == R and is_sharded(required):
         return "slice_inner" if isinstance(required, InnerShard) else "slice"
@@ -361,6 +390,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _masks_in_rank_order(gm, ctx)
     _distribute_norms(gm, ctx)
     _ring_attentions(gm, ctx)
+    _halo_convolutions(gm, ctx)
     return gm
 
 

@@ -4,7 +4,8 @@ Requires: insert_collectives has run (every edge is placed as required).
 Guarantees:
 - every parameter, buffer or constant placed sharded has a slicing spec in ``ctx.slice_specs`` (FQN ->
   {axis: placement}), the only place the loader learns how to cut it;
-- every op that names sizes (view, reshape, unflatten, expand, new_zeros, full) names this rank's sizes, and views are reshapes
+- every op that names sizes (view, reshape, unflatten, expand, new_zeros, full) names this rank's sizes, a grouped
+  convolution this rank's groups, and views are reshapes
   (the trace's strides do not hold once collectives lay values out);
 - ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
   placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``meta["global_shape"]``
@@ -21,6 +22,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..context import PassContext
 from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
+from ..rules.conv import GROUPS_ARGUMENT, groups_of
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.views import block_range
 
@@ -77,6 +79,13 @@ def _localize_sizes(node: Node, mesh) -> None:
         dim = dim % len(node.args[0].meta["global_shape"])
         local = _expected_local(node, mesh)[dim:dim + len(split)]
         node.args = (node.args[0], node.args[1], [-1 if s == -1 else size for s, size in zip(split, local)])
+    elif node.target in GROUPS_ARGUMENT and groups_of(node) > 1:  # a rank convolves its channels' groups
+        index, source = GROUPS_ARGUMENT[node.target], node.args[0]
+        channels = source.meta["global_shape"][1]
+        local = _expected_local(source, mesh)[1]
+        args = list(node.args) + [1] * (index + 1 - len(node.args))
+        args[index] = groups_of(node) * local // channels
+        node.args = tuple(args)
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])

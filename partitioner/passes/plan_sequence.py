@@ -8,7 +8,8 @@ keeps every rank's rows and sends key/value blocks round the ring (``rules/atten
 
 How the plan is found:
 
-1. The sequence lengths are those of the self-attentions (query length == key length).
+1. The sequence lengths are those of the self-attentions (query length == key length); in a model whose only
+   attentions are cross-attentions, those of their queries.
 2. Candidates: every user input and op result that feeds an attention and has exactly one dim of such a length;
    each is offered sharded along that dim. Where a candidate's own result is replicated it is sliced, for free.
 3. Placements propagate with the sequence-axis rules (linears and norms act row by row; Ulysses attention
@@ -53,6 +54,8 @@ def sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
         q, k = shape_of(node.args[0]), shape_of(node.args[1])
         if len(q) == 4 and q[2] == k[2]:
             lengths.add(q[2])
+    if not lengths:  # only cross-attentions (Sana's self-attention is linear attention): their query rows
+        lengths = {shape_of(node.args[0])[2] for node in attentions if len(shape_of(node.args[0])) == 4}
     joint, own = set(), set(lengths)
     for _ in range(2 if parts else 0):  # a part may itself be concatenated
         for node in gm.graph.nodes:

@@ -37,6 +37,7 @@ from ..placement import Partial, Replicate, any_sharded, block_offsets, is_shard
 from ..errors import InvariantError, PartitionError
 from ..propagate import sweep
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
+from ..rules.core import with_dim
 from ..rules.views import degree_above_heads
 
 AXIS = "tp"
@@ -58,8 +59,9 @@ class _Propagation:
 
 
 def linear_path(linear: Node, fqns: dict[Node, str]) -> str:
-    """A Linear's module path: its weight's, without the last name."""
+    """A Linear's module path: its weight's, without the last name (a 1x1 convolution's weight is squeezed)."""
     weight = linear.args[1]
+    weight = weight.args[0] if weight.target is aten.squeeze.dims else weight
     return fqns[weight].rsplit(".", 1)[0] if weight in fqns else linear.name
 
 
@@ -145,15 +147,32 @@ def _cheap_rowwise(linear: Node, degree: int) -> bool:
     return rows * ROWWISE_INPUT_RATIO <= in_features and in_features >= degree  # uneven features split too
 
 
-def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements) -> None:
-    """Parameters and buffers take the placement their consumers need, so they are sliced at load time."""
-    for node, graph_input in ctx.placeholder_inputs(gm).items():
-        if not graph_input.is_model_tensor:
+def _wanted(node: Node, decisions: dict[Node, Decision]):
+    """The one placement every consumer of ``node`` requires; None when they differ."""
+    wanted = {repr(decisions[user].inputs.get(node, R)): decisions[user].inputs.get(node, R) for user in node.users}
+    return next(iter(wanted.values())) if len(wanted) == 1 else None
+
+
+def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements,
+                 degree: int) -> None:
+    """Parameters and buffers take the placement their consumers need, so they are sliced at load time; so does a
+    squeeze of one (a 1x1 convolution's weight read as a linear's, ``pointwise_convs``), and its parameter the
+    placement the squeeze maps onto it."""
+    state = {node for node, graph_input in ctx.placeholder_inputs(gm).items() if graph_input.is_model_tensor}
+    for view in [n for n in gm.graph.nodes if n.target is aten.squeeze.dims and n.args[0] in state]:
+        wanted, (source,) = _wanted(view, decisions), view.all_input_nodes
+        if not is_sharded(wanted):
             continue
-        wanted = {repr(decisions[user].inputs.get(node, R)): decisions[user].inputs.get(node, R)
-                  for user in node.users}
-        if len(wanted) == 1:
-            placements[node] = next(iter(wanted.values()))
+        rule = rule_for(view)
+        for dim in range(len(shape_of(source))):
+            if rule(view, {source: with_dim(wanted, dim)}, degree).output == wanted:
+                placements[view] = decisions[view].output = wanted
+                decisions[view].inputs[source] = with_dim(wanted, dim)
+                break
+    for node in state:
+        wanted = _wanted(node, decisions)
+        if wanted is not None:
+            placements[node] = wanted
 
 
 def _style(linear: Node, decision: Decision, roles: LinearRoles, degree: int) -> str:
@@ -203,7 +222,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     and not is_sharded(sweep.placements[linear.args[0]]) and _cheap_rowwise(linear, degree)):
                 roles.rowwise.add(linear)
     sweep = _propagate(gm, roles, gathered, degree)
-    _place_state(gm, ctx, sweep.decisions, sweep.placements)
+    _place_state(gm, ctx, sweep.decisions, sweep.placements, degree)
 
     for node in gm.graph.nodes:
         node.meta["placements"] = {AXIS: sweep.placements.get(node)}

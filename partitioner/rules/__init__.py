@@ -5,6 +5,8 @@
 - ``views``: views, reshapes, permutes, slices, splits, cat, stack;
 - ``indexing``: index_select, index_copy, slice/select scatters (functionalized slice assignment);
 - ``reductions``: sums, means, norms;
+- ``conv``: convolutions (batch, or channels in whole groups);
+- ``matmul``: matmul / bmm / mm (batch, row, column or contracted shards);
 - ``linear``: ``aten.linear`` per the planner's roles (tensor axis), row by row (sequence axis);
 - ``attention``: head-sharded attention, and the Ulysses exchange on a sequence axis;
 - ``collectives``: graphs that already communicate are refused.
@@ -13,7 +15,7 @@ A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decor
 ``@register(aten.op.overload, ...)`` in the file of its family (see ``core`` for the contract).
 """
 
-from . import attention, collectives, indexing, linear, reductions, views  # noqa: F401  (they register their rules)
+from . import attention, collectives, conv, indexing, linear, matmul, reductions, views  # noqa: F401  (they register their rules)
 from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all,
                    rule_for, shape_of)
 from .pointwise import pointwise

@@ -301,6 +301,22 @@ def _splits(blocks, unit: int, axis_size: int) -> bool:
     return all(block % unit == 0 and block // unit >= axis_size for block in blocks)
 
 
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad(node: Node, placements, axis_size: int) -> Decision:
+    """pad / constant_pad_nd: fine along every dim but the sharded one (padding it would add rows to some ranks'
+    parts only)."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement):
+        return decision
+    widths, ndim = node.args[1], len(shape_of(source))
+    padded = {ndim - 1 - i // 2 for i, width in enumerate(widths) if width != 0}
+    if placement.dim in padded:
+        raise Unshardable(f"pad along the sharded dim {placement.dim}")
+    return decision
+
+
 @register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 def split(node: Node, placements, axis_size: int) -> Decision:
     """chunk / split / split_with_sizes / unbind. Splitting along the sharded dim needs a packed layout whose

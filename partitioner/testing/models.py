@@ -281,6 +281,46 @@ class MaskedAttention(ViewHeads):
         return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, -1))
 
 
+class ConvLinearAttentionBlock(nn.Module):
+    """Sana's op families in a block of our own: a linear attention spelled out with matmuls (ReLU kernel, a row of
+    ones padded onto the values for the normaliser), a cross-attention to text rows, and a convolutional
+    feed-forward (1x1 -> 3x3 depthwise -> gated halves -> 1x1) over the image its ``height`` x ``width`` rows make."""
+
+    def __init__(self, dim=32, heads=4, hidden=24, height=6, width=6):
+        super().__init__()
+        self.heads, self.height, self.width = heads, height, width
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.cross_q, self.cross_out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.cross_kv = nn.Linear(16, 2 * dim)
+        self.expand = nn.Conv2d(dim, 2 * hidden, 1)
+        self.mix = nn.Conv2d(2 * hidden, 2 * hidden, 3, padding=1, groups=2 * hidden)
+        self.project = nn.Conv2d(hidden, dim, 1, bias=False)
+        self.norm = nn.LayerNorm(dim)
+
+    def attention(self, x):
+        q, k, v = (t.transpose(1, 2).unflatten(1, (self.heads, -1)) for t in (self.q(x), self.k(x), self.v(x)))
+        q, k = F.relu(q), F.relu(k).transpose(2, 3)
+        v = F.pad(v, (0, 0, 0, 1), value=1.0)
+        out = (v @ k) @ q
+        out = out[:, :, :-1] / (out[:, :, -1:] + 1e-15)
+        return self.out(out.flatten(1, 2).transpose(1, 2))
+
+    def feed_forward(self, x):
+        image = x.unflatten(1, (self.height, self.width)).permute(0, 3, 1, 2)
+        value, gate = self.mix(F.silu(self.expand(image))).chunk(2, dim=1)
+        return self.project(value * F.silu(gate)).flatten(2).transpose(1, 2)
+
+    def cross_attention(self, x, text):
+        q = self.cross_q(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.cross_kv(text).chunk(2, dim=-1))
+        return self.cross_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+    def forward(self, x, text):
+        x = x + self.attention(self.norm(x))
+        x = x + self.cross_attention(self.norm(x), text)
+        return x + self.feed_forward(self.norm(x))
+
+
 def idiom_cases() -> dict:
     """Small models written the ways people write fused projections, joint attention, masks and reshapes:
     name -> (model factory, forward kwargs)."""
@@ -294,7 +334,9 @@ def idiom_cases() -> dict:
         "view_heads_odd_rows": (ViewHeads, {"x": x(1, 5, 32)}),
         # a per-head mask that hides about half the keys (never a row's own): wrong rows or heads would show
         "masked": (MaskedAttention, {"x": x(1, 6, 32), "mask": (x(1, 4, 6, 6) > 0) | torch.eye(6, dtype=torch.bool)}),
+        # 8 x 6 image rows: 2 per rank over 4 ranks, each borrowing a row from each neighbour
+        "conv_linear_attention": (lambda: ConvLinearAttentionBlock(height=8), {"x": x(1, 48, 32), "text": x(1, 5, 16)}),
     }
 
 
-__all__ = ['FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']
+__all__ = ['ConvLinearAttentionBlock', 'FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']

@@ -119,8 +119,9 @@ def pixart_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, h
                     added_cond_kwargs={"resolution": None, "aspect_ratio": None})
 
 
-def sana_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 4, width: int = 4):
-    """SanaPipeline: latent image (patch 1), Gemma rows with their int64 mask, t * timestep_scale."""
+def sana_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 6, width: int = 6):
+    """SanaPipeline: latent image (patch 1), Gemma rows with their int64 mask, t * timestep_scale. (6 x 6 latent
+    rows: a length no other dim of the tiny model has, and image rows that split over 2 ranks.)"""
     g = torch.Generator().manual_seed(seed)
     kwargs = dict(hidden_states=_randn(g, 1, config["in_channels"], height, width),
                   encoder_hidden_states=_randn(g, 1, text, config["caption_channels"]),

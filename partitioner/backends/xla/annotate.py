@@ -9,10 +9,11 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from .errors import XlaBackendError
 from .layouts import Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec, partition_spec
-from .ops import (_SPLITS, _attention, _cat_as_packed, _layer_norm, _linear, _pointwise_packed, _ring_attention,
-                  _split_packed)
+from .ops import (_SPLITS, _attention, _cat_as_packed, _grouped_conv_packed, _layer_norm, _linear, _moved_packed,
+                  _pointwise_packed, _ring_attention, _split_packed)
 from ...placement import Shard, is_sharded
 from ...rules.attention import RING_AXES
+from ...rules.conv import GROUPS_ARGUMENT
 
 aten = torch.ops.aten
 
@@ -114,7 +115,8 @@ class _Annotator(Interpreter):
             pieces = _split_packed(target, args[0], args, kwargs)
             if pieces is not None:
                 return pieces
-        packed = _pointwise_packed(target, args, kwargs)
+        packed = _pointwise_packed(target, args, kwargs) or _moved_packed(target, args) \
+            or (_grouped_conv_packed(target, args) if target in GROUPS_ARGUMENT else None)
         if packed is not None:
             return packed
         args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fused)

@@ -73,12 +73,29 @@ def ring_of(pairs, mesh) -> str | None:
     return None
 
 
+def neighbours_of(pairs, mesh) -> str | None:
+    """The mesh axis whose groups ``pairs`` pass rows one way between neighbours, without wrapping round: one
+    direction of a convolution's halo exchange."""
+    for axis in mesh.axis_names:
+        groups = mesh.groups(axis)
+        if len(groups[0]) < 2:
+            continue
+        forward = {(g[i], g[i + 1]) for g in groups for i in range(len(g) - 1)}
+        if set(map(tuple, pairs)) in (forward, {(b, a) for a, b in forward}):
+            return axis
+    return None
+
+
 def plan_key(collective: HloCollective, mesh) -> tuple[str, str]:
-    """(kind, axis) as the plan counts collectives: a collective-permute between ring neighbours is a ring pass;
-    any other permute is counted apart ("pairs"), the plan having none."""
+    """(kind, axis) as the plan counts collectives: a collective-permute between ring neighbours is a ring pass,
+    one between neighbours that does not wrap round a direction of a halo exchange ("halo_direction": the plan's
+    one halo exchange is two of them); any other permute is counted apart ("pairs"), the plan having none."""
     if collective.kind == "collective_permute":
         axis = ring_of(collective.groups, mesh)
-        return ("ring_pass", axis) if axis else ("collective_permute", "pairs")
+        if axis:
+            return "ring_pass", axis
+        axis = neighbours_of(collective.groups, mesh)
+        return ("halo_direction", axis) if axis else ("collective_permute", "pairs")
     return collective.kind, axis_of(collective.groups, mesh)
 
 
@@ -98,13 +115,22 @@ def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
     """Differences between XLA's collectives and the plan's ((kind, axis) -> count), as readable lines. One
     all-gather over several axes' joint groups, which the plan does not have as such, counts as the plan's gather
     over each of those axes."""
+    halos = {axis for kind, axis in planned if kind == "halo_exchange"}
+    keys = {}
+    for c in found:  # a one-way permute between neighbours is a halo's only where the plan has a halo exchange
+        key = plan_key(c, mesh)
+        keys[id(c)] = ("collective_permute", "pairs") if key[0] == "halo_direction" and key[1] not in halos else key
     got = Counter()
     for c in found:
-        key = plan_key(c, mesh)
+        key = keys[id(c)]
         joint = _joint_axes(c.groups, mesh) if c.kind == "all_gather" and key[1] not in mesh.axis_names \
             and not planned.get(key) else None
         for each in ([("all_gather", axis) for axis in joint] if joint else [key]):
             got[each] += 1
+    planned = Counter(planned)
+    for (kind, axis), count in list(planned.items()):
+        if kind == "halo_exchange":  # XLA sends each way on its own
+            planned[("halo_direction", axis)] += 2 * planned.pop((kind, axis))
     problems = []
     for key in sorted(set(got) | set(planned)):
         if got[key] == planned[key]:
@@ -112,7 +138,7 @@ def compare(found: list[HloCollective], planned: Counter, mesh) -> list[str]:
         kind, axis = key
         line = f"{kind} over {axis}: XLA has {got[key]}, the plan {planned[key]}"
         if got[key] > planned[key]:
-            extra = [c for c in found if plan_key(c, mesh) == key]
+            extra = [c for c in found if keys[id(c)] == key]
             line += "; XLA's: " + ", ".join(f"{c.name} {c.shape} {[list(g) for g in c.groups]}" for c in extra[:8])
         problems.append(line)
     return problems

@@ -136,3 +136,43 @@ def _cat_as_packed(tensors, dim: int, placement: PackedShard, ranks: int) -> Pac
     if placement.dim % tensors[0].dim() != dim or [t.shape[dim] for t in tensors] != list(placement.blocks):
         return None
     return Packed.from_blocks(tensors, dim, ranks)
+
+
+def _tensor_dims(value: Packed, dim: int) -> list[int]:
+    """Where a dim of the value sits in its rank-major tensor: the packed dim is two (ranks, rows)."""
+    return [dim, dim + 1] if dim == value.dim else [dim + (dim > value.dim)]
+
+
+def _moved_packed(target, args) -> Packed | None:
+    """A permute or squeeze of a packed value (a 1x1 convolution read as a linear: its squeezed weight, its
+    channels moved last and back) on the rank-major tensor, the rank dim moving with the packed dim. None when the
+    op is another or touches the packed dim."""
+    value = args[0]
+    if not isinstance(value, Packed):
+        return None
+    ndim = value.tensor.dim() - 1
+    if target is aten.permute.default:
+        order = [d % ndim for d in args[1]]
+        moved = value.tensor.permute([t for d in order for t in _tensor_dims(value, d)])
+        return Packed(moved, order.index(value.dim), value.blocks)
+    if target is aten.squeeze.dims:
+        dims = [d % ndim for d in args[1]]
+        if value.dim in dims:
+            return None
+        squeezed = value.tensor.squeeze([t for d in dims for t in _tensor_dims(value, d)])
+        return Packed(squeezed, value.dim - sum(d < value.dim for d in dims), value.blocks)
+    return None
+
+
+def _grouped_conv_packed(target, args) -> Packed | None:
+    """A grouped convolution over packed channels (Sana's depthwise convolution between its two 1x1 ones): the
+    rank-major channels are a permutation of whole groups, its weight and bias permuted alike, so it runs on them
+    as they are. None for anything else."""
+    x, weight, bias = (*args[:3], None)[:3]
+    if not (isinstance(x, Packed) and x.dim == 1 and isinstance(weight, Packed) and weight.dim == 0
+            and (x.blocks, x.ranks) == (weight.blocks, weight.ranks) and len(args) > 6
+            and (bias is None or isinstance(bias, Packed))):
+        return None
+    out = target(x.tensor.flatten(1, 2), weight.tensor.flatten(0, 1),
+                 None if bias is None else bias.tensor.flatten(0, 1), *args[3:])
+    return Packed(out.unflatten(1, (x.ranks, -1)), 1, x.blocks)

@@ -1,0 +1,74 @@
+"""pointwise_convs: a 1x1 convolution is a Linear over the channel dim, and is rewritten as one, so that every rule
+for Linears applies to it (column or row sharding over tp, the bias added after the sum, chunked all_reduces,
+row by row over a sequence axis). Sana's feed-forward is two of them around a depthwise convolution::
+
+    conv2d(x, W[out, in, 1, 1], b)
+    # is, value for value (up to the matmul kernel's order of summation):
+    linear(x.permute(0, 2, 3, 1), W.squeeze([2, 3]), b).permute(0, 3, 1, 2)
+
+The weight stays the model's parameter; ``plan_sharding`` places it through the squeeze, so it is still cut when
+it is loaded. Requires: nothing. Guarantees: no convolution with a kernel of ones, stride 1, no padding and one
+group is left.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..context import PassContext
+from ..errors import InvariantError
+
+aten = torch.ops.aten
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+_DEFAULTS = (None, 1, 0, 1, 1)  # bias, stride, padding, dilation, groups
+
+
+def _all(value, expected: int) -> bool:
+    return all(v == expected for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
+def is_pointwise(node: Node) -> bool:
+    """A convolution that reads one pixel per output pixel, over all its channels: a Linear."""
+    if node.target not in _CONVS or len(node.args) < 2:
+        return False
+    bias, stride, padding, dilation, groups = (*node.args[2:], *_DEFAULTS[len(node.args) - 2:])
+    weight = node.args[1].meta.get("val")
+    return (isinstance(weight, torch.Tensor) and _all(list(weight.shape[2:]), 1) and _all(stride, 1)
+            and _all(padding, 0) and _all(dilation, 1) and groups == 1 and not node.kwargs)
+
+
+def _new(graph, target, args, like: Node, val) -> Node:
+    node = graph.call_function(target, args)
+    node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
+    node.meta["val"] = val
+    return node
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    del ctx
+    graph = gm.graph
+    for conv in [n for n in graph.nodes if is_pointwise(n)]:
+        x, weight = conv.args[:2]
+        bias = conv.args[2] if len(conv.args) > 2 else None
+        ndim = len(x.meta["val"].shape)
+        channels_last = [0, *range(2, ndim), 1]
+        with graph.inserting_before(conv):
+            moved = _new(graph, aten.permute.default, (x, channels_last), conv,
+                         x.meta["val"].permute(channels_last))
+            matrix = _new(graph, aten.squeeze.dims, (weight, list(range(2, ndim))), conv,
+                          weight.meta["val"].squeeze(list(range(2, ndim))))
+            linear = _new(graph, aten.linear.default, (moved, matrix) + ((bias,) if bias is not None else ()), conv,
+                          conv.meta["val"].permute(channels_last))
+            back = _new(graph, aten.permute.default, (linear, [0, ndim - 1, *range(1, ndim - 1)]), conv,
+                        conv.meta["val"])
+        conv.replace_all_uses_with(back)
+        graph.erase_node(conv)
+    return gm
+
+
+def check(gm: GraphModule, ctx: PassContext) -> None:
+    """Postcondition: no pointwise convolution is left."""
+    for node in gm.graph.nodes:
+        if is_pointwise(node):
+            raise InvariantError(f"{node.name}: a 1x1 convolution was not rewritten as a linear")

@@ -1,0 +1,109 @@
+"""Convolutions (the 1x1 ones are Linears by then: ``passes/pointwise_convs``). A convolution mixes its spatial
+dims through its kernel and, inside each group, its channels:
+- a sharded batch passes through (every sample is convolved alone);
+- over a sequence axis (ring, ulysses), rows of a spatial dim split evenly pass through a convolution that keeps
+  that dim's size (stride 1, padding half the kernel): ``insert_collectives`` makes it a
+  ``collectives.halo_convolution``, each rank borrowing the kernel's reach of rows from its two neighbours (Sana's
+  3x3 depthwise convolution over an image whose rows Ulysses splits);
+- sharded channels pass through a grouped convolution that keeps its channel count (depthwise: Sana's 3x3 between
+  its two pointwise convolutions) when every rank's channels are whole groups; its weight and bias are cut alike and
+  ``localize`` gives each rank its own number of groups;
+- any other sharded spatial dim, or channels a group-1 convolution mixes, is Unshardable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from .. import collectives
+from ..mesh import SEQUENCE_AXES
+from ..placement import PackedShard, Partial, is_sharded, shard_slices
+from .core import R, Decision, NeedsUnit, Unshardable, register, register_factory, shape_of, with_dim
+
+aten = torch.ops.aten
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+# where each convolution op takes its number of groups
+GROUPS_ARGUMENT = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
+                   aten.convolution.default: 8, collectives.halo_convolution: 6}
+
+
+def conv_arguments(node: Node) -> tuple[list[int], list[int], list[int], bool]:
+    """stride, padding, dilation (one per spatial dim) and whether it is transposed."""
+    spatial = len(shape_of(node.args[0])) - 2
+    if node.target is aten.convolution.default:
+        stride, padding, dilation, transposed = node.args[3:7]
+    else:
+        stride, padding, dilation = (*node.args[3:6], *(1, 0, 1)[len(node.args[3:6]):])
+        transposed = False
+    return _per_dim(stride, spatial), _per_dim(padding, spatial), _per_dim(dilation, spatial), transposed
+
+
+def _per_dim(value, spatial: int) -> list[int]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return values * spatial if len(values) == 1 else values
+
+
+def groups_of(node: Node) -> int:
+    index = GROUPS_ARGUMENT[node.target]
+    return node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
+
+
+@register(*_CONVS)
+def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> Decision:
+    x, weight = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else None
+    px = placements.get(x, R)
+    px = R if isinstance(px, Partial) else px
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs[x] = px
+    if not is_sharded(px):
+        return Decision(R, inputs)
+    if px.dim == 0:
+        return Decision(px, inputs)
+    if px.dim != 1:
+        if halo:
+            _check_halo(node, px, axis_size)
+            return Decision(px, inputs)
+        raise Unshardable(f"convolution over the sharded spatial dim {px.dim}")
+    if conv_arguments(node)[3]:
+        raise Unshardable("a transposed convolution with sharded channels")
+    channels, groups = shape_of(x)[1], groups_of(node)
+    if groups == 1 or shape_of(weight)[0] != channels:
+        raise Unshardable(f"a convolution of {groups} group(s) mixes the sharded channels "
+                          f"({channels} in, {shape_of(weight)[0]} out)")
+    per_group = channels // groups
+    if any(start % per_group or end % per_group for rank in range(axis_size)
+           for start, end in shard_slices(px, channels, axis_size, rank)):
+        raise NeedsUnit(x, per_group)
+    inputs[weight] = with_dim(px, 0)
+    if bias is not None:
+        inputs[bias] = with_dim(px, 0)
+    return Decision(px, inputs)
+
+
+def _check_halo(node: Node, placement, axis_size: int) -> None:
+    """Rows of a spatial dim split evenly, each rank's output rows its input rows: a halo exchange serves it."""
+    dim, size = placement.dim, shape_of(node.args[0])[placement.dim]
+    stride, padding, dilation, transposed = conv_arguments(node)
+    kernel = shape_of(node.args[1])[dim]
+    spatial = dim - 2
+    if isinstance(placement, PackedShard) or transposed or stride[spatial] != 1 or dilation[spatial] != 1 \
+            or 2 * padding[spatial] != kernel - 1:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim} changes its rows (kernel {kernel}, "
+                          f"stride {stride[spatial]}, padding {padding[spatial]}, dilation {dilation[spatial]})")
+    if size % axis_size or size // axis_size < padding[spatial]:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows do not split evenly over "
+                          f"{axis_size} ranks into at least {padding[spatial]} each (the kernel's reach)")
+
+
+@register_factory(aten.conv1d.default, axis="sequence")
+@register_factory(aten.conv2d.default, axis="sequence")
+@register_factory(aten.conv3d.default, axis="sequence")
+@register_factory(aten.convolution.default, axis="sequence")
+def make_sequence_convolution(roles, axis: str | None = None):
+    """Over ring and ulysses a convolution borrows its neighbours' rows; over other axes that use the sequence
+    rules (tp's rows between its regions, a batch axis, bucket padding) a sharded spatial dim is Unshardable."""
+    del roles
+    return lambda node, placements, axis_size: convolution(node, placements, axis_size,
+                                                           halo=axis in SEQUENCE_AXES)
