@@ -70,8 +70,9 @@ def _cases(rank: int, world: int, layouts: dict) -> dict:
     (8, {"tp2_ring2_u2": ((2, 2, 2), ("tp", "ring", "ulysses"))}),
 ], ids=["ring2", "ring3", "ring2xu2_tp2xring2", "tp2xring2xu2"])
 def test_ring_every_rank_exact(world, layouts):
-    """Every layout exact on every rank: both H3 main-block attentions run as ring attention (the text refiner's
-    masked attention stays whole, with why), each passing its block ring - 1 times; Flux's joint sequence (a packed
+    """Every layout exact on every rank: both H3 main-block attentions and the text refiner's run as ring attention
+    (the refiner's on the text rows, gathered once after it, before they are packed), each passing its block
+    ring - 1 times; Flux's joint sequence (a packed
     shard of text and image rows) needs no reordering, since keys are summed over in any order (at ring x ulysses
     the packing is the ring's; Ulysses shards the joint rows of each ring shard). Also at TP=2 x Ulysses=2, a key
     projection kept whole: its heads are sliced over tp before Ulysses exchanges them."""
@@ -84,30 +85,32 @@ def test_ring_every_rank_exact(world, layouts):
             torch.testing.assert_close(case["actual"], case["expected"], **TOLERANCE, msg=f"{name} rank {rank}")
             if "flux" not in name:
                 ring = dict(zip(*reversed(layouts[name])))["ring"]
-                assert case["rings"] == 2 and case["passes"] == 2 * (ring - 1), (name, case["rings"])
+                assert case["rings"] == 3 and case["passes"] == 3 * (ring - 1), (name, case["rings"])
                 assert "transformer_blocks.0.attn: " in case["explain"] and "ring attention" in case["explain"]
-    if world == 3:  # 25 rows over 3: 9 + 8 + 8, the blocks sized exactly
-        assert results[0]["ring3"]["rows"][0] == [9, 8, 8]
+    if world == 3:  # 25 rows over 3: 9 + 8 + 8, the blocks sized exactly (5 text rows: 2 + 2 + 1)
+        assert results[0]["ring3"]["rows"] == [[2, 2, 1], [9, 8, 8], [9, 8, 8]]  # the refiner's 5 text rows first
 
 
 def test_full_h3_tp8_ring2_ulysses8_structure():
     """Full-size H3 on 128 fake ranks, (tp, ring, ulysses) = (8, 2, 8), rank 0: ring groups pair ranks 8 apart,
     Ulysses groups contiguous runs of 8; each of the 50 main attentions runs on 1 head (56 / 8 / 8, rounded up)
-    over 18944 query rows (37888 over the ring) and passes one block of 18944 key/value rows; 4 all_to_all each."""
+    over 18944 query rows (37888 over the ring) and passes one block of 18944 key/value rows; 4 all_to_all each. The
+    two text refiner attentions do the same over the 512 text rows."""
     model, inputs = full_h3_on_meta()
     with fake_mesh((8, 2, 8), ("tp", "ring", "ulysses"), 0) as mesh:
         partitioned = partitioner.partition(model, mesh, ((), inputs))
         assert mesh.get_group("ring").size() == 2 and partitioned.mesh.groups("ring")[0] == [0, 8]
         assert partitioned.mesh.groups("ulysses")[0] == list(range(8))
     rings = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.ring_attention]
-    assert len(rings) == 50
-    for node in rings:
+    main = [n for n in rings if "transformer_blocks" in list(n.meta["nn_module_stack"].values())[-1][0]]
+    assert len(main) == 50 and len(rings) == 52  # and the two refiner attentions, on 512 text rows
+    for node in main:
         assert node.args[4] == [18944, 18944]
         assert tuple(node.args[0].meta["val"].shape) == (1, 1, 18944, 128)
+    assert {tuple(n.args[4]) for n in rings} - {(18944, 18944)} == {(256, 256)}
     counts = partitioned.collective_counts()
-    assert counts[("ring_pass", "ring")] == 50 and counts[("all_to_all", "ulysses")] == 4 * 50
-    # the packed sequence is built locally: no value at the hidden width holds more than this rank's rows (the
-    # text refiner's 512 rows are whole)
+    assert counts[("ring_pass", "ring")] == 52 and counts[("all_to_all", "ulysses")] == 4 * 52
+    # the packed sequence is built locally: no value at the hidden width holds more than this rank's rows
     widest = max(n.meta["val"].shape[1] for n in partitioned.graph_module.graph.nodes
                  if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3
                  and n.meta["val"].shape[-1] == 5376)

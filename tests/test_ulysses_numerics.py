@@ -39,7 +39,8 @@ def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
         expected = model(**inputs, return_dict=False)
     partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
     exchanges = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.all_to_all]
-    shapes = {n.args[0].name: (tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in exchanges}
+    main = [n for n in exchanges if "transformer_blocks" in list(n.meta["nn_module_stack"].values())[-1][0]]
+    shapes = {n.args[0].name: (tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in main}
     if drop_exchange:
         exchanges[-1].target = _no_exchange  # the last attention's output, back to sequence sharding
         partitioned.graph_module.recompile()
@@ -97,17 +98,18 @@ def test_without_one_exchange_fails(layout):
 
 
 def test_exchanges_and_sharding_points(layout):
-    """4 all_to_alls per main-block attention (q, k, v to heads; output back to sequence), 2 all_gathers after the
-    output heads; the packed sequence is built sharded (each rank gathers its rows: only the per-row tables of which
+    """4 all_to_alls per attention (q, k, v to heads; output back to sequence), the text refiner's included (its
+    rows gathered once after it, before they are packed), 2 all_gathers after the output heads; the packed sequence
+    is built sharded (each rank gathers its rows: only the per-row tables of which
     source row lands where are sliced, at their source) and per-row inputs are sliced at their source."""
     name, results = layout
     blocks = TINY_H3["num_layers"]
     for rank, cases in enumerate(results):
         report = cases["plain"]["report"]
-        assert report.count("all_to_all") == 4 * blocks
-        assert report.count("all_gather") == 2
+        assert report.count("all_to_all") == 4 * (blocks + TINY_H3["num_refiner_layers"])
+        assert report.count("all_gather") == 3
         assert report.count("all_reduce") == (0 if name.startswith("u") else 11)
-        assert cases["plain"]["sharded_at"] == ["position_ids", "source_row_of", "source_row_of_1", "source_row_of_2",
+        assert cases["plain"]["sharded_at"] == ["encoder_hidden_states", "position_ids", "source_row_of", "source_row_of_1", "source_row_of_2",
                                                 "timestep_indices", "token_tags"]
 
 

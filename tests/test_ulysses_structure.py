@@ -32,18 +32,20 @@ def planned(request):
 
 
 def test_all_to_all_per_attention(planned):
-    """4 per main-block attention: q, k and v go from sequence- to head-sharded (3), the output back (1); fusing
-    q/k/v into one exchange would save launches, not bytes. The two refiner attentions run on the text rows before
-    they are scattered into the packed sequence, so they are not sequence-sharded: 0 exchanges."""
+    """4 per attention: q, k and v go from sequence- to head-sharded (3), the output back (1); fusing q/k/v into one
+    exchange would save launches, not bytes. The two refiner attentions run on the text rows, sharded along them,
+    before those rows are packed into the main sequence by index: the text is gathered once, after them."""
     _, partitioned, exchanges, _ = planned
     per_attention = {}
     for node in exchanges:
         module = list(node.meta["nn_module_stack"].values())[-1][0]
         attention = module.split(".attn")[0]
         per_attention[attention] = per_attention.get(attention, 0) + 1
-    assert per_attention == {f"transformer_blocks.{i}": 4 for i in range(BLOCKS)}
-    assert partitioned.report().count("all_to_all") == 4 * BLOCKS
-    assert partitioned.report().count("all_gather") == 2  # the sequence comes back once, after the output heads
+    refiner = {f"token_refiner.refiner_blocks.{i}": 4 for i in range(2)}
+    assert per_attention == {**refiner, **{f"transformer_blocks.{i}": 4 for i in range(BLOCKS)}}
+    assert partitioned.report().count("all_to_all") == 4 * (BLOCKS + 2)
+    # the refined text once, before it is packed; the sequence once, after the output heads
+    assert partitioned.report().count("all_gather") == 3
 
 
 def test_all_to_all_groups_are_contiguous(planned):
@@ -61,12 +63,13 @@ def test_shapes_before_and_after_the_exchange(planned):
     rows = shard_sizes(ROWS, ulysses)[-1]
     heads = shard_sizes(HEADS // TP, ulysses)[-1]
     assert heads == (1 if ulysses == 4 else 0)
-    into_heads = [n for n in exchanges if n.args[1] == 1]  # scatter_dim 1: heads
+    main = [n for n in exchanges if "transformer_blocks" in list(n.meta["nn_module_stack"].values())[-1][0]]
+    into_heads = [n for n in main if n.args[1] == 1]  # scatter_dim 1: heads
     assert len(into_heads) == 3 * BLOCKS
     for node in into_heads:
         assert tuple(node.args[0].meta["val"].shape) == (1, HEADS // TP, rows, HEAD_DIM)
         assert tuple(node.meta["val"].shape) == (1, heads, ROWS, HEAD_DIM)
-    for node in exchanges:
+    for node in main:
         if node.args[1] == 2:  # back to sequence sharding
             assert tuple(node.meta["val"].shape) == (1, HEADS // TP, rows, HEAD_DIM)
 

@@ -26,11 +26,11 @@ REFUSED = {
     "mochi": ("PartitionError", "data-dependent number that device ops use"),
 }
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
-# but H3's text refiner (its own short text sequence, left whole). Sana's self-attention is linear attention (not
+# (H3's text refiner on its own text rows, gathered once after it). Sana's self-attention is linear attention (not
 # SDPA): its rows stay split through it and through the depthwise convolution (a halo exchange), so its
 # cross-attentions run on this rank's query rows.
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
-                    "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 2,
+                    "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
                     "hunyuan_video": 5, "sana": 2}
 
 

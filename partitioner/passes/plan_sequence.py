@@ -97,22 +97,31 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], parts: set
 
 
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
-               refused: dict[Node, str], joint: set[int] = frozenset()):
-    """One sweep (``partitioner.propagate``): decisions, and the seeds that failed before an attention (with why).
+               refused: dict[Node, str], joint: set[int] = frozenset(), feeds_length: dict[int, set[Node]] = None,
+               gathered: set[Node] = frozenset()):
+    """One sweep (``partitioner.propagate``): decisions, the seeds that failed before an attention (with why), and
+    the values to gather once their own attentions are done.
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
     refuses its sequence-sharded inputs is recorded in ``refused``; after the last attention a refusal just gathers
-    the sequence back."""
+    the sequence back. So does a refusal after the last attention *of the length a seed shards* (``feeds_length``:
+    length -> the attentions of that query length and what they read): the value reaching it is gathered right
+    where it is made (``gathered``), its own attention having run sharded (H3's text refiner, whose rows are then
+    packed into the main sequence by index)."""
+    feeds_length = feeds_length or {}
+
     def adjust(node: Node, decision: Decision) -> Decision:
         if node in seeds and not any_sharded(decision.seen):
             if node.target in SIZE_ARGUMENT:  # a buffer (H3's packed sequence) is made at this rank's size
                 decision.output = Shard(seeds[node])
             else:
                 decision.visible = Shard(seeds[node])
+        if node in gathered:
+            decision.visible = R
         return decision
 
     swept = sweep(gm, lambda node: rule_for(node, sequence_axis=axis), ctx.mesh.size(axis), adjust=adjust,
                   is_seed=lambda node, decision: node in seeds)
-    failed = {}
+    failed, to_gather = {}, set()
     for failure in swept.failures:
         problem = failure.problem
         if isinstance(problem, NeedsPacking):  # sequence shards are never packed
@@ -129,11 +138,28 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
             # (H3's text rows, whose own attention is not sharded, meet the packed rows gathered from them)
             other = {s for s in culprits if shape_of(s)[seeds[s]] not in (shape_of(failure.node) or ())}
             for seed in (other if other and other != culprits else culprits):
-                failed.setdefault(seed, f"{failure.node.name}: {problem}")
+                done = _done_with(failure.node, seed, shape_of(seed)[seeds[seed]], feeds_length, swept.visible)
+                if done:
+                    to_gather |= done
+                else:
+                    failed.setdefault(seed, f"{failure.node.name}: {problem}")
     parts = {s: r for s, r in failed.items() if shape_of(s)[seeds[s]] not in joint}
     if parts and len(parts) < len(failed):  # drop failing parts first: a whole joint value may work without them
         failed = parts
-    return swept.decisions, failed
+    if failed:  # seeds dropped first; what their dropping leaves to gather is found again
+        to_gather = set()
+    return swept.decisions, failed, to_gather
+
+
+def _done_with(node: Node, seed: Node, length: int, feeds_length: dict[int, set[Node]], visible) -> set[Node]:
+    """The inputs of ``node`` sharded along ``length`` when ``seed`` reaches an attention of that length and
+    ``node`` comes after all of them: gathering those inputs serves ``node`` and keeps the attentions sharded.
+    Empty when the seed must be dropped instead."""
+    own = feeds_length.get(length, set())
+    if seed not in own or node in own:
+        return set()
+    return {n for n in node.all_input_nodes if any_sharded(visible.get(n, R))
+            and (shape_of(n) or ())[getattr(visible[n], "dim", 0)] == length}
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -161,16 +187,22 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                  else _candidates(gm, ctx, lengths, parts, feeds_attention))
     refused: dict[Node, str] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
+    feeds_length: dict[int, set[Node]] = {}
+    for attention in attentions:
+        feeds_length.setdefault(shape_of(attention.args[0])[2], set()).update(ancestors([attention]) | {attention})
+    gathered: set[Node] = set()
     while True:
-        decisions, failed = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint)
+        decisions, failed, to_gather = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint,
+                                                  feeds_length, gathered)
         if failed and given is not None:
             raise PartitionError(f"the plan's sequence sharding over {axis!r} cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))
         for seed, reason in failed.items():
             stopped[seed.name] = reason
             del seeds[seed]
-        if not failed:
+        if not failed and to_gather <= gathered:
             break
+        gathered |= to_gather
     ctx.sequence_stopped.update(stopped)
     ctx.sequence_seeds = {node.name: dim for node, dim in seeds.items()}
     if ctx.mesh.size(axis) > 1:
