@@ -109,3 +109,28 @@ def test_neuron_refuses_the_halo_exchange_by_name():
     with pytest.raises(partitioner.BackendError, match="convolution over rows split by a sequence axis is not "
                                                        "lowered for Neuron"):
         partitioner.partition(model, {"ulysses": 4}, ((x, text), {}), rank=0, backend_checks="neuron")
+
+
+class UnbatchedConv(torch.nn.Module):
+    """A 1x1 and a depthwise convolution of an image without a batch dim ([C, H, W]): not a linear over dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.point = torch.nn.Conv2d(8, 8, 1)
+        self.depth = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+    def forward(self, x):
+        return self.depth(self.point(x))
+
+
+def test_an_unbatched_convolution_is_left_a_convolution():
+    """Planned (tp=2, no ranks needed): the 1x1 convolution is not rewritten (its dim 1 is the image's height, not
+    channels) and nothing is sharded through either convolution; with a batch it would be a linear."""
+    import partitioner
+
+    partitioned = partitioner.partition(UnbatchedConv().eval(), {"tp": 2}, ((torch.randn(8, 4, 4),), {}))
+    targets = {str(n.target) for n in partitioned.planned_graph.graph.nodes}
+    assert "aten.conv2d.default" in targets and "aten.linear.default" not in targets
+    assert partitioned.report().replicated_share == 1.0
+    batched = partitioner.partition(UnbatchedConv().eval(), {"tp": 2}, ((torch.randn(1, 8, 4, 4),), {}))
+    assert batched.linear_styles == {"point": "replicate"}

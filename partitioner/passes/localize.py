@@ -81,11 +81,11 @@ def _localize_sizes(node: Node, mesh) -> None:
         node.args = (node.args[0], node.args[1], [-1 if s == -1 else size for s, size in zip(split, local)])
     elif node.target in GROUPS_ARGUMENT and groups_of(node) > 1:  # a rank convolves its channels' groups
         index, source = GROUPS_ARGUMENT[node.target], node.args[0]
-        channels = source.meta["global_shape"][1]
-        local = _expected_local(source, mesh)[1]
-        args = list(node.args) + [1] * (index + 1 - len(node.args))
-        args[index] = groups_of(node) * local // channels
-        node.args = tuple(args)
+        groups = groups_of(node) * _expected_local(source, mesh)[1] // source.meta["global_shape"][1]
+        if len(node.args) > index:
+            node.args = (*node.args[:index], groups, *node.args[index + 1:])
+        else:  # (export passes it positionally; a keyword is kept a keyword)
+            node.kwargs = {**node.kwargs, "groups": groups}
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])

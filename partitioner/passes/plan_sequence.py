@@ -154,12 +154,14 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
 def _done_with(node: Node, seed: Node, length: int, feeds_length: dict[int, set[Node]], visible) -> set[Node]:
     """The inputs of ``node`` sharded along ``length`` when ``seed`` reaches an attention of that length and
     ``node`` comes after all of them: gathering those inputs serves ``node`` and keeps the attentions sharded.
-    Empty when the seed must be dropped instead."""
+    Empty when the seed must be dropped instead, or when such an input still feeds an attention of that length
+    (gathered, every consumer would see it whole)."""
     own = feeds_length.get(length, set())
     if seed not in own or node in own:
         return set()
-    return {n for n in node.all_input_nodes if any_sharded(visible.get(n, R))
-            and (shape_of(n) or ())[getattr(visible[n], "dim", 0)] == length}
+    inputs = {n for n in node.all_input_nodes if any_sharded(visible.get(n, R))
+              and (shape_of(n) or ())[getattr(visible[n], "dim", 0)] == length}
+    return set() if inputs & own else inputs
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -187,8 +189,9 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                  else _candidates(gm, ctx, lengths, parts, feeds_attention))
     refused: dict[Node, str] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
+    # (Only on DeviceMesh partitions: XLA's equal tiles would refuse a ring over a short text of any length.)
     feeds_length: dict[int, set[Node]] = {}
-    for attention in attentions:
+    for attention in attentions if ctx.mesh.runnable else ():
         feeds_length.setdefault(shape_of(attention.args[0])[2], set()).update(ancestors([attention]) | {attention})
     gathered: set[Node] = set()
     while True:

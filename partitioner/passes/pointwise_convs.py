@@ -29,12 +29,13 @@ def _all(value, expected: int) -> bool:
 
 
 def is_pointwise(node: Node) -> bool:
-    """A convolution that reads one pixel per output pixel, over all its channels: a Linear."""
+    """A batched convolution that reads one pixel per output pixel, over all its channels: a Linear."""
     if node.target not in _CONVS or len(node.args) < 2:
         return False
     bias, stride, padding, dilation, groups = (*node.args[2:], *_DEFAULTS[len(node.args) - 2:])
-    weight = node.args[1].meta.get("val")
-    return (isinstance(weight, torch.Tensor) and _all(list(weight.shape[2:]), 1) and _all(stride, 1)
+    x, weight = (n.meta.get("val") for n in node.args[:2])
+    batched = isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() == weight.dim()
+    return (batched and _all(list(weight.shape[2:]), 1) and _all(stride, 1)
             and _all(padding, 0) and _all(dilation, 1) and groups == 1 and not node.kwargs)
 
 

@@ -59,6 +59,8 @@ def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> D
     inputs[x] = px
     if not is_sharded(px):
         return Decision(R, inputs)
+    if len(shape_of(x)) != len(shape_of(weight)):
+        raise Unshardable("an unbatched convolution with a sharded input")
     if px.dim == 0:
         return Decision(px, inputs)
     if px.dim != 1:
@@ -73,9 +75,11 @@ def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> D
         raise Unshardable(f"a convolution of {groups} group(s) mixes the sharded channels "
                           f"({channels} in, {shape_of(weight)[0]} out)")
     per_group = channels // groups
-    if any(start % per_group or end % per_group for rank in range(axis_size)
-           for start, end in shard_slices(px, channels, axis_size, rank)):
+    ranges = [shard_slices(px, channels, axis_size, rank) for rank in range(axis_size)]
+    if any(start % per_group or end % per_group for rank in ranges for start, end in rank):
         raise NeedsUnit(x, per_group)
+    if any(sum(end - start for start, end in rank) == 0 for rank in ranges):
+        raise Unshardable(f"a convolution of {groups} groups leaves a rank no channels")
     inputs[weight] = with_dim(px, 0)
     if bias is not None:
         inputs[bias] = with_dim(px, 0)

@@ -66,10 +66,11 @@ def matmul(node: Node, placements, axis_size: int) -> Decision:
             if dim is not None and placement != with_dim(sharded, dim):
                 raise Unshardable(f"matmul operands cut differently along their {role[0]} dim ({a.name} {pa} @ {b.name} "
                                   f"{pb})")
-        elif dim is not None and shape[dim] != 1:
+        elif dim is not None and (shape[dim] != 1 or role[0] == "contract"):
             inputs[operand] = with_dim(sharded, dim)  # the whole operand is cut locally to match
     if role[0] == "contract":
         return Decision(Partial(), inputs)
-    if role[0] == "batch" and shapes[2][role[1]] != shape_of(a if is_sharded(pa) else b)[sharded.dim]:
+    if role[0] == "batch" and any(is_sharded(p) and shapes[2][role[1]] != shape[dim] for p, dim, shape in
+                                  ((pa, dims[0], shapes[0]), (pb, dims[1], shapes[1]))):
         raise Unshardable(f"matmul broadcasts the sharded batch dim {sharded.dim}")
     return Decision(with_dim(sharded, role[1]), inputs)

@@ -155,8 +155,8 @@ def _moved_packed(target, args) -> Packed | None:
         order = [d % ndim for d in args[1]]
         moved = value.tensor.permute([t for d in order for t in _tensor_dims(value, d)])
         return Packed(moved, order.index(value.dim), value.blocks)
-    if target is aten.squeeze.dims:
-        dims = [d % ndim for d in args[1]]
+    if target is aten.squeeze.dims:  # (torch keeps a listed dim whose size is not 1)
+        dims = [d % ndim for d in args[1] if value.tensor.shape[_tensor_dims(value, d % ndim)[-1]] == 1]
         if value.dim in dims:
             return None
         squeezed = value.tensor.squeeze([t for d in dims for t in _tensor_dims(value, d)])
