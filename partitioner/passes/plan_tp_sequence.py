@@ -43,7 +43,7 @@ from ..placement import InnerShard, Partial, Replicate, Shard, any_sharded, is_s
 from ..propagate import sweep
 from ..report import nbytes
 from ..rules import Decision, Unshardable, rule_for, shape_of
-from .plan_sequence import sequence_lengths
+from .plan_sequence import ancestors, sequence_lengths
 from . import plan_sharding
 from .plan_sharding import linear_path
 
@@ -207,11 +207,17 @@ def _rows_layout(tp, others: dict):
     return tp, tuple(axis for axis, p in others.items() if axis != AXIS and is_sharded(p) and p.dim == tp.dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mismatch:
+    why: str
+    source: Node  # the value taken split otherwise than it is made
+
+
 def _nest(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[Node, int]):
     """The new tp placements of the replicated ops (output, input requirements), each row shard nested inside
-    the sequence axes' shards of its rows; a string (why not) where a value would be taken split otherwise than
-    it is made over the same dim (a sequence axis gathering rows that tp keeps sharded): no collective here
-    moves rows between two nestings."""
+    the sequence axes' shards of its rows; a ``_Mismatch`` where a value would be taken split otherwise than it
+    is made over the same dim (a sequence axis gathering rows that tp keeps sharded, H3's refined text before it
+    is packed): no collective here moves rows between two nestings."""
     nested = {}
     for node in gm.graph.nodes:
         if node in sharded or node.op == "placeholder":
@@ -229,8 +235,8 @@ def _nest(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[Node
             made_layout = _rows_layout(made, source.meta["placements"])
             wanted_layout = _rows_layout(wanted, {axis: r.get(source) for axis, r in node.meta["required"].items()})
             if made_layout is not None and made_layout != wanted_layout:
-                return (f"{node.name} would take {source.name}'s rows split as {wanted_layout}, they are split as "
-                        f"{made_layout}")
+                return _Mismatch(f"{node.name} would take {source.name}'s rows split as {wanted_layout}, they are "
+                                 f"split as {made_layout}", source)
     return nested
 
 
@@ -259,24 +265,28 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         swept = _propagate(gm, sharded, seeds, ctx.mesh.size(AXIS))
         dropped = {seed for failure in swept.failures if failure.node in sharded for seed in failure.seeds}
         if not dropped:
-            break
+            if not seeds:
+                ctx.tp_sequence = ("rows whole on every tp rank: no partial sum over tp has exactly one "
+                                   "sequence-long dim")
+                return gm
+            scattered = _scattered(seeds, swept.decisions)
+            gathered = _redistributed(gm, swept.decisions, seeds, Replicate)
+            exchanged = _redistributed(gm, swept.decisions, seeds, Shard)
+            saved, added, profile = _estimate(swept.decisions, sharded, scattered, gathered, exchanged, ctx)
+            figures = (f"{saved * 1e3:.3g} ms of repeated work saved against {added * 1e3:+.3g} ms of "
+                       f"communication (profile {profile})")
+            if saved <= added:
+                ctx.tp_sequence = f"rows whole on every tp rank: the cost model estimates {figures}"
+                return gm
+            nested = _nest(gm, swept.decisions, sharded, seeds)
+            if not isinstance(nested, _Mismatch):
+                break
+            # the seeds upstream of the mismatch keep their rows whole; the others may still pay
+            dropped = {seed for seed in seeds if seed is nested.source or seed in ancestors([nested.source])}
+            if not dropped:
+                ctx.tp_sequence = f"rows whole on every tp rank: {nested.why}"
+                return gm
         seeds = {seed: dim for seed, dim in seeds.items() if seed not in dropped}
-    if not seeds:
-        ctx.tp_sequence = "rows whole on every tp rank: no partial sum over tp has exactly one sequence-long dim"
-        return gm
-    scattered = _scattered(seeds, swept.decisions)
-    gathered = _redistributed(gm, swept.decisions, seeds, Replicate)
-    exchanged = _redistributed(gm, swept.decisions, seeds, Shard)
-    saved, added, profile = _estimate(swept.decisions, sharded, scattered, gathered, exchanged, ctx)
-    figures = (f"{saved * 1e3:.3g} ms of repeated work saved against {added * 1e3:+.3g} ms of communication "
-               f"(profile {profile})")
-    if saved <= added:
-        ctx.tp_sequence = f"rows whole on every tp rank: the cost model estimates {figures}"
-        return gm
-    nested = _nest(gm, swept.decisions, sharded, seeds)
-    if isinstance(nested, str):
-        ctx.tp_sequence = f"rows whole on every tp rank: {nested}"
-        return gm
     for node, (output, inputs) in nested.items():
         node.meta["placements"][AXIS], node.meta["required"][AXIS] = output, inputs
     fqns = {n: gi.target for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
