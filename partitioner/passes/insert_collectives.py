@@ -342,9 +342,9 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
             continue
-        x = node.args[0]
-        spatial = {axis: node.meta["required"][axis][x] for axis in SEQUENCE_AXES if axis in node.meta["required"]
-                   and is_sharded(node.meta["required"][axis].get(x, R)) and node.meta["required"][axis][x].dim >= 2}
+        x, required = node.args[0], node.meta["required"]
+        spatial = {axis: required[axis][x] for axis in SEQUENCE_AXES
+                   if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
         if not spatial:
             continue
         dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]

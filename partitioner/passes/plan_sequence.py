@@ -97,8 +97,7 @@ def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], parts: set
 
 
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
-               refused: dict[Node, str], joint: set[int] = frozenset(), feeds_length: dict[int, set[Node]] = None,
-               gathered: set[Node] = frozenset()):
+               refused: dict[Node, str], joint: set[int], feeds_length: dict[int, set[Node]], gathered: set[Node]):
     """One sweep (``partitioner.propagate``): decisions, the seeds that failed before an attention (with why), and
     the values to gather once their own attentions are done.
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
@@ -107,8 +106,6 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     length -> the attentions of that query length and what they read): the value reaching it is gathered right
     where it is made (``gathered``), its own attention having run sharded (H3's text refiner, whose rows are then
     packed into the main sequence by index)."""
-    feeds_length = feeds_length or {}
-
     def adjust(node: Node, decision: Decision) -> Decision:
         if node in seeds and not any_sharded(decision.seen):
             if node.target in SIZE_ARGUMENT:  # a buffer (H3's packed sequence) is made at this rank's size
@@ -190,9 +187,10 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     refused: dict[Node, str] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
     # (Only on DeviceMesh partitions: XLA's equal tiles would refuse a ring over a short text of any length.)
-    feeds_length: dict[int, set[Node]] = {}
+    by_length: dict[int, list[Node]] = {}
     for attention in attentions if ctx.mesh.runnable else ():
-        feeds_length.setdefault(shape_of(attention.args[0])[2], set()).update(ancestors([attention]) | {attention})
+        by_length.setdefault(shape_of(attention.args[0])[2], []).append(attention)
+    feeds_length = {length: ancestors(nodes) | set(nodes) for length, nodes in by_length.items()}
     gathered: set[Node] = set()
     while True:
         decisions, failed, to_gather = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint,

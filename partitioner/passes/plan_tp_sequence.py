@@ -240,6 +240,17 @@ def _nest(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[Node
     return nested
 
 
+def _settle(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degree: int):
+    """The seeds whose rows every tp-sharded op they reach takes as they come (the others dropped, sweep by sweep),
+    and their last sweep."""
+    while True:
+        swept = _propagate(gm, sharded, seeds, degree)
+        dropped = {seed for failure in swept.failures if failure.node in sharded for seed in failure.seeds}
+        if not dropped:
+            return seeds, swept
+        seeds = {seed: dim for seed, dim in seeds.items() if seed not in dropped}
+
+
 def _skipped(ctx: PassContext) -> str | None:
     """Why the rows stay whole on every tp rank, before looking at the graph."""
     if ctx.mesh.size(AXIS) <= 1:
@@ -262,31 +273,28 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     seeds = {node: dim for node in gm.graph.nodes if isinstance(node.meta["placements"][AXIS], Partial)
              and (dim := _row_dim(node, lengths)) is not None}
     while True:
-        swept = _propagate(gm, sharded, seeds, ctx.mesh.size(AXIS))
-        dropped = {seed for failure in swept.failures if failure.node in sharded for seed in failure.seeds}
-        if not dropped:
-            if not seeds:
-                ctx.tp_sequence = ("rows whole on every tp rank: no partial sum over tp has exactly one "
-                                   "sequence-long dim")
-                return gm
-            scattered = _scattered(seeds, swept.decisions)
-            gathered = _redistributed(gm, swept.decisions, seeds, Replicate)
-            exchanged = _redistributed(gm, swept.decisions, seeds, Shard)
-            saved, added, profile = _estimate(swept.decisions, sharded, scattered, gathered, exchanged, ctx)
-            figures = (f"{saved * 1e3:.3g} ms of repeated work saved against {added * 1e3:+.3g} ms of "
-                       f"communication (profile {profile})")
-            if saved <= added:
-                ctx.tp_sequence = f"rows whole on every tp rank: the cost model estimates {figures}"
-                return gm
-            nested = _nest(gm, swept.decisions, sharded, seeds)
-            if not isinstance(nested, _Mismatch):
-                break
-            # the seeds upstream of the mismatch keep their rows whole; the others may still pay
-            dropped = {seed for seed in seeds if seed is nested.source or seed in ancestors([nested.source])}
-            if not dropped:
-                ctx.tp_sequence = f"rows whole on every tp rank: {nested.why}"
-                return gm
-        seeds = {seed: dim for seed, dim in seeds.items() if seed not in dropped}
+        seeds, swept = _settle(gm, sharded, seeds, ctx.mesh.size(AXIS))
+        if not seeds:
+            ctx.tp_sequence = "rows whole on every tp rank: no partial sum over tp has exactly one sequence-long dim"
+            return gm
+        scattered = _scattered(seeds, swept.decisions)
+        gathered = _redistributed(gm, swept.decisions, seeds, Replicate)
+        exchanged = _redistributed(gm, swept.decisions, seeds, Shard)
+        saved, added, profile = _estimate(swept.decisions, sharded, scattered, gathered, exchanged, ctx)
+        figures = (f"{saved * 1e3:.3g} ms of repeated work saved against {added * 1e3:+.3g} ms of communication "
+                   f"(profile {profile})")
+        if saved <= added:
+            ctx.tp_sequence = f"rows whole on every tp rank: the cost model estimates {figures}"
+            return gm
+        nested = _nest(gm, swept.decisions, sharded, seeds)
+        if not isinstance(nested, _Mismatch):
+            break
+        # the seeds upstream of the mismatch keep their rows whole; the others may still pay
+        upstream = ancestors([nested.source]) | {nested.source}
+        if not upstream & set(seeds):
+            ctx.tp_sequence = f"rows whole on every tp rank: {nested.why}"
+            return gm
+        seeds = {seed: dim for seed, dim in seeds.items() if seed not in upstream}
     for node, (output, inputs) in nested.items():
         node.meta["placements"][AXIS], node.meta["required"][AXIS] = output, inputs
     fqns = {n: gi.target for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}

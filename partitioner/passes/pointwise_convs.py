@@ -18,25 +18,22 @@ from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..errors import InvariantError
+from ..rules.conv import conv_arguments, groups_of
 
 aten = torch.ops.aten
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-_DEFAULTS = (None, 1, 0, 1, 1)  # bias, stride, padding, dilation, groups
-
-
-def _all(value, expected: int) -> bool:
-    return all(v == expected for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def is_pointwise(node: Node) -> bool:
     """A batched convolution that reads one pixel per output pixel, over all its channels: a Linear."""
-    if node.target not in _CONVS or len(node.args) < 2:
+    if node.target not in _CONVS or len(node.args) < 2 or node.kwargs:
         return False
-    bias, stride, padding, dilation, groups = (*node.args[2:], *_DEFAULTS[len(node.args) - 2:])
     x, weight = (n.meta.get("val") for n in node.args[:2])
-    batched = isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() == weight.dim()
-    return (batched and _all(list(weight.shape[2:]), 1) and _all(stride, 1)
-            and _all(padding, 0) and _all(dilation, 1) and groups == 1 and not node.kwargs)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() == weight.dim()):
+        return False
+    stride, padding, dilation, _ = conv_arguments(node)
+    return (set(weight.shape[2:]) == {1} and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}
+            and groups_of(node) == 1)
 
 
 def _new(graph, target, args, like: Node, val) -> Node:

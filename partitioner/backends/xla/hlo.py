@@ -63,24 +63,21 @@ def axis_of(groups, mesh) -> str:
 def ring_of(pairs, mesh) -> str | None:
     """The mesh axis whose groups ``pairs`` (a collective-permute's source-target pairs) pass a block round, each
     rank to its next (or previous) in every group of the axis: a ring attention's step."""
-    for axis in mesh.axis_names:
-        groups = mesh.groups(axis)
-        if len(groups[0]) < 2:
-            continue
-        forward = {(g[i], g[(i + 1) % len(g)]) for g in groups for i in range(len(g))}
-        if set(map(tuple, pairs)) in (forward, {(b, a) for a, b in forward}):
-            return axis
-    return None
+    return _passed_along(pairs, mesh, wrap=True)
 
 
 def neighbours_of(pairs, mesh) -> str | None:
     """The mesh axis whose groups ``pairs`` pass rows one way between neighbours, without wrapping round: one
     direction of a convolution's halo exchange."""
+    return _passed_along(pairs, mesh, wrap=False)
+
+
+def _passed_along(pairs, mesh, wrap: bool) -> str | None:
     for axis in mesh.axis_names:
         groups = mesh.groups(axis)
         if len(groups[0]) < 2:
             continue
-        forward = {(g[i], g[i + 1]) for g in groups for i in range(len(g) - 1)}
+        forward = {(g[i], g[(i + 1) % len(g)]) for g in groups for i in range(len(g) if wrap else len(g) - 1)}
         if set(map(tuple, pairs)) in (forward, {(b, a) for a, b in forward}):
             return axis
     return None
