@@ -72,7 +72,9 @@ def full_table(models: list[str], degree: int) -> list[str]:
             continue
         model = build(name, full=True)
         args, kwargs = ZOO[name].make_inputs(config(name, full=True), 0, **_production_sizes(ZOO[name].make_inputs))
-        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+        # float inputs to the meta device; masks and ids keep their values (a model that reads them is traced
+        # for them, value_specialization; trace moves them to meta after reading them)
+        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
         args = tuple(to_meta(a) for a in args)
         kwargs = {k: torch.utils._pytree.tree_map(to_meta, v) for k, v in kwargs.items()}
         params = sum(p.numel() for p in model.parameters())

@@ -129,9 +129,16 @@ def agree_on_plan(groups: RankGroups | None, lines: list[str] | None, failure: B
         "every rank must call partition with the same model, example input shapes and options")
 
 
-def call_signature(values: list) -> int:
-    """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants."""
+def value_digest(tensor: torch.Tensor) -> str:
+    """A tensor's values in a short string (for inputs a partition is specialised on: masks, lengths)."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def call_signature(values: list, exact=()) -> int:
+    """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, and the
+    same values at the indices in ``exact``."""
     described = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in values]
+    described += [value_digest(values[i]) for i in sorted(exact)]
     return int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "little")
 
 

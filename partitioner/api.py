@@ -15,8 +15,8 @@ import torch
 from . import backends
 from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
 from .checkpoint import load_shards
-from .errors import (BackendError, CheckpointError, InputError, MissingWeights, NotFound, PartitionError,
-                     TraceError, VerificationError)
+from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
+                     PartitionError, TraceError, VerificationError)
 from .context import Overlap, PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
@@ -77,13 +77,15 @@ class Partitioned:
                              "partition() from a module); partition again for other shapes")
         plan = Plan.of(self)
 
+        values = self.traced.values_specialized  # traced for its inputs' values: so is every specialisation
+
         def build() -> Partitioned:
-            traced = trace(self.skeleton, example_inputs)
+            traced = trace(self.skeleton, example_inputs, specialize_values=values)
             try:
                 new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap)
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
-                traced = trace(self.skeleton, example_inputs)
+                traced = trace(self.skeleton, example_inputs, specialize_values=values)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap,
                                        plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
@@ -91,7 +93,14 @@ class Partitioned:
             if new.slice_specs != self.slice_specs:
                 raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
                                      "the traced ones; partition again for them")
-            new.state, new.global_state, new.checkpoint = self.state, self.global_state, self.checkpoint
+            constants = {gi.target: new.state[gi.target] for gi in new.ctx.inputs if gi.kind == "constant"}
+            # the weights are shared; a trace for other values has its own constants (what it folded from them)
+            new.state = {**self.state, **constants} if values else self.state
+            if values and self.global_state is not None:
+                new.global_state = {**self.global_state, **{name: new.global_state[name] for name in constants}}
+            else:
+                new.global_state = self.global_state
+            new.checkpoint = self.checkpoint
             new.model_config, new.model_dtype, new.skeleton, new.source = \
                 self.model_config, self.model_dtype, self.skeleton, self.source
             return new
@@ -294,18 +303,21 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     buckets = parse_buckets(buckets)
 
+    def partition_with(traced: Traced) -> Partitioned:
+        _compute_meta_buffers(model, traced)
+        return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
+                                bounds=bounds, buckets=buckets, overlap=overlap)
+
     def build() -> Partitioned:
         try:
-            traced = trace(model, _padded_to_buckets(model, example_inputs, buckets))
+            partitioned = trace_and_partition(model, _padded_to_buckets(model, example_inputs, buckets),
+                                              partition_with)
         except TraceError as error:
             if not buckets:
                 raise
             padded = ", ".join(f"{name} dim {dim} to {list(sizes)}" for (name, dim), sizes in buckets.items())
             raise TraceError(f"{error}\n(the example inputs were padded to buckets: {padded}; the model may not "
                              "take a padded size there)") from error
-        _compute_meta_buffers(model, traced)
-        partitioned = partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
-                                       bounds=bounds, buckets=buckets, overlap=overlap)
         if backend_checks is not None:
             _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
         return partitioned
@@ -318,6 +330,22 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     partitioned.model_config = getattr(model, "config", None)
     partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return partitioned
+
+
+def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with) -> Partitioned:
+    """``partition_with(trace(model, example_inputs))``; when the host prologue cannot take a data-dependent size
+    (it sizes device ops), the model is traced again specialised on its integer and boolean inputs' values
+    (``value_specialization``), if it has any."""
+    traced = trace(model, example_inputs)
+    try:
+        return partition_with(traced)
+    except DataDependentNumber:
+        if traced.values_specialized:
+            raise
+        retraced = trace(model, example_inputs, specialize_values=True)
+        if not retraced.values:  # no integer or boolean input it derives from
+            raise
+    return partition_with(retraced)
 
 
 def _padded_to_buckets(model: torch.nn.Module, example_inputs, buckets) -> tuple:

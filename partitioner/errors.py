@@ -28,6 +28,11 @@ class PartitionError(PartitionerError, ValueError):
     """The requested partition is impossible (e.g. a TP degree that does not divide a head count)."""
 
 
+class DataDependentNumber(PartitionError):
+    """A number computed from tensor values sizes device ops, so the host prologue cannot take it: ``partition``
+    traces the model again specialised on its integer and boolean inputs' values, when it has any."""
+
+
 class InputError(PartitionerError, ValueError):
     """Bad arguments: a call's inputs that do not fit the partition (shape, dtype, structure, index range,
     data-dependent size), or options that are not understood."""

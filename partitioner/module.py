@@ -21,9 +21,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError, TraceError
-from .agreement import call_signature
+from .agreement import call_signature, value_digest
 from .padding import pad_named
-from .runtime import CompiledPartition, call_arguments, describe_call
+from .runtime import CompiledPartition, call_arguments, describe_call, input_names
 from .trace import argument_name, bind_forward
 
 
@@ -38,6 +38,8 @@ class PartitionedModule(torch.nn.Module):
         self.specializations: dict[str, str] = {}
         self.config = partitioned.model_config
         signature = self._first.traced.signature
+        names = input_names(self._first.traced.in_spec)
+        self._valued = {names[i] for i in self._first.traced.values}  # inputs whose values pick the program
 
         def forward(*args, **kwargs):
             return self._call(*args, **kwargs)
@@ -79,6 +81,7 @@ class PartitionedModule(torch.nn.Module):
         named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
         buckets = self._partitioned.ctx.buckets
         key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
+        key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
         compiled = self._cache.get(key)
         if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
             bucketed = pad_named(named, buckets, owner)
@@ -86,7 +89,8 @@ class PartitionedModule(torch.nn.Module):
                 compiled = self._first
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
-                self._partitioned.guard.agree(None, call_signature(pytree.tree_leaves(((), traced_named))),
+                leaves = pytree.tree_leaves(((), traced_named))
+                self._partitioned.guard.agree(None, call_signature(leaves, exact=self._first.traced.values),
                                               lambda: describe_call(bucketed))
                 compiled = self._specialize(bucketed)
             self._cache[key] = compiled
@@ -97,6 +101,8 @@ class PartitionedModule(torch.nn.Module):
     def _specialize(self, named: dict) -> CompiledPartition:
         traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
         shapes = ", ".join(f"{name}{list(t.shape)}" for name, t in _tensors(named) if traced.get(name) != list(t.shape))
+        values = [name for name, t in _tensors(named) if name in self._valued and traced.get(name) == list(t.shape)]
+        shapes = ", ".join(filter(None, [shapes] + [f"other values of {name}" for name in values]))
         try:
             specialized = self._partitioned.specialize(((), named))
         except TraceError as error:  # the model itself cannot run these inputs
@@ -106,7 +112,7 @@ class PartitionedModule(torch.nn.Module):
                              + f") differs from the traced one and the model cannot be traced for it: {why}") from error
         lowered, tensors = specialized.lower(self._backend, **self._options)
         padded = [f"{name} dim {dim} to {sizes}" for (name, dim), sizes in self._partitioned.ctx.buckets.items()]
-        self.specializations[shapes] = ("shapes other than the traced ones: the plan applied to a new trace"
+        self.specializations[shapes] = ("shapes or values other than the traced ones: the plan applied to a new trace"
                                         + (f"; padded to buckets: {', '.join(padded)}" if padded else "")
                                         + (f" ({specialized.ctx.replanned})" if specialized.ctx.replanned else ""))
         self._partitioned.ctx.specializations = dict(self.specializations)

@@ -101,6 +101,11 @@ class CompiledPartition:
             if self.has_state and value.device != self.device:
                 raise InputError(f"{self.owner}: {names[index]} is on {value.device}, this rank's weights on "
                                  f"{self.device}")
+        for index, value in self.traced.values.items():  # the graph is exact for these values alone
+            if not torch.equal(flat[index].detach().cpu(), value):
+                raise InputError(f"{self.owner}: {names[index]} has other values than the ones this partition was "
+                                 f"traced for, and the model reads them ({self.traced.value_reads[0]}); the module "
+                                 "compile() returns traces again for new values, or partition again with these")
         return flat, [flat[i] for i in self.user_index], return_dict, real_sizes
 
     def accepts(self, args, kwargs) -> bool:
@@ -146,7 +151,7 @@ class CompiledPartition:
             self.preflight.check(flat, hosted, real_sizes)
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
                 self.lowered.check_inputs(*self.tensors(), *user, *hosted)
-            signature = call_signature(flat)
+            signature = call_signature(flat, exact=self.traced.values)
         except InputError as error:  # (its signature stays 0: the rejection is what the ranks learn)
             problem = error
         except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection

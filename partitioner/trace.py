@@ -18,6 +18,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from .errors import TraceError
+from .value_specialization import ValueRead, ValueShadow, shadowing_forward, specializable
 
 
 
@@ -48,6 +49,10 @@ class Traced:
     signature: inspect.Signature = field(repr=False)
     # Upper bounds of data-dependent sizes (from torch._check in the traced code): symbol name -> bound
     size_bounds: dict[str, int] = field(default_factory=dict)
+    # Inputs whose values the graph is specialised on (value_specialization): flat index -> the value (CPU)
+    values: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    value_reads: list[ValueRead] = field(default_factory=list)  # where the model read them
+    values_specialized: bool = False  # traced with value specialisation (then every retrace is too)
 
 
 def argument_name(path: tuple) -> str:
@@ -158,8 +163,34 @@ def _inputs_on_meta_for_meta_model(model: torch.nn.Module, named: dict) -> dict:
     return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), named)
 
 
-def trace(model: torch.nn.Module, example_inputs) -> Traced:
-    """Export ``model`` called with ``example_inputs = (args, kwargs)``, keyword-normalised."""
+def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor]):
+    """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name).
+    Returns the program and where the model read the values."""
+    shadow = ValueShadow(type(model).__module__.split(".")[0])
+    if values:
+        model.forward = shadowing_forward(model, shadow, values, argument_name)
+    try:
+        with torch.no_grad():  # partitions are for inference: no autograd state in the graph (out= ops need it)
+            return torch.export.export(model, (), kwargs=named), shadow.reads
+    except Exception as error:  # export raises many types; all mean the same to the user
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TraceError(
+            f"torch.export could not trace {owner}: {type(error).__name__}: {first_line}\n"
+            f"at the model's {_model_frame(error, model)}\n"
+            "partition needs a model that torch.export.export(model, (), kwargs=...) accepts; see the chained "
+            "exception for where tracing stopped."
+        ) from error
+    finally:
+        if values:
+            del model.forward
+
+
+def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = False) -> Traced:
+    """Export ``model`` called with ``example_inputs = (args, kwargs)``, keyword-normalised.
+
+    A model that reads its integer or boolean inputs' values in Python is traced for this call's values when it
+    cannot be traced symbolically (or at once with ``specialize_values``, as ``partition`` asks when the host
+    prologue cannot take a data-dependent size): see ``value_specialization``."""
     owner = type(model).__name__
     if not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
             and isinstance(example_inputs[1], dict)):
@@ -174,18 +205,22 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
         named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
         raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
+    leaves = pytree.tree_flatten_with_path(((), named))[0]
+    names = [argument_name(path[1:]) for path, _ in leaves]
+    values = {name: leaf for name, (_, leaf) in zip(names, leaves) if specializable(leaf)}  # before meta below
     named = _inputs_on_meta_for_meta_model(model, named)
     try:
-        with torch.no_grad():  # partitions are for inference: no autograd state in the graph (out= ops need it)
-            program = torch.export.export(model, (), kwargs=named)
-    except Exception as error:  # export raises many types; all mean the same to the user
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise TraceError(
-            f"torch.export could not trace {owner}: {type(error).__name__}: {first_line}\n"
-            f"at the model's {_model_frame(error, model)}\n"
-            "partition needs a model that torch.export.export(model, (), kwargs=...) accepts; see the chained "
-            "exception for where tracing stopped."
-        ) from error
+        program, reads = _export(model, named, owner, values if specialize_values else {})
+    except TraceError as error:
+        if specialize_values or not values:
+            raise
+        try:  # the model may read its masks' values in Python: trace it for this call's
+            program, reads = _export(model, named, owner, values)
+        except TraceError:
+            raise error from error.__cause__
+        specialize_values = True
+    read_names = {name for read in reads for name in read.inputs}
+    specialized = {names.index(name): values[name].detach().cpu().clone() for name in read_names}
 
     gs = program.graph_signature
     mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
@@ -217,7 +252,8 @@ def trace(model: torch.nn.Module, example_inputs) -> Traced:
     inputs = _inline_constant_arguments(gm, inputs, constant_args)
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
-    return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds)
+    return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds,
+                  specialized, reads, specialize_values)
 
 
 _FRAME = re.compile(r'\s*File "(.+)", line (\d+), in (\S+)')

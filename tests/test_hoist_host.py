@@ -58,6 +58,7 @@ def test_device_graph_is_static_and_fed_by_explicit_transfers(planned):
         assert node.target is not torch.ops.aten._unique2.default
     host = planned.ctx.host
     assert [(t.shape, t.sizes) for t in host.transfers] == [((4,), {0: "u0"}), ((23,), {})]
+    assert planned.traced.values == {}  # hoisted, not specialised on the integer inputs' values
     assert "_unique2" in host.hoisted and "index_put" in host.hoisted  # functionalized: index_put_ -> index_put
     assert "_unique2: aten._unique2.default: output size depends on tensor values" in str(planned.report())
     kinds = [gi.kind for gi in planned.ctx.inputs]

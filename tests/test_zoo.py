@@ -17,13 +17,11 @@ from partitioner.testing import RankPool
 from partitioner.testing.zoo import MODES, ZOO, partition_case
 
 # Deliberate limits: the model's own code does what no static partition can serve.
+# (Lumina2 branches on its mask's row sums and Mochi drops padded prompt rows by `nonzero`: both are traced for
+# the example's mask, value_specialization.)
 REFUSED = {
-    # `len(set(seq_lengths))` on the mask's row sums: a Python branch on tensor values (export refuses it)
-    "lumina2": ("TraceError", "transformer_lumina2.py:519"),
-    # mixture-of-experts routing through `.cpu().numpy()` (export refuses it)
+    # mixture-of-experts routing on activations through `.cpu().numpy()` (export refuses it)
     "hidream": ("TraceError", "transformer_hidream_image.py:389"),
-    # its attention drops padded prompt rows per call: the attention's size depends on the mask's values
-    "mochi": ("PartitionError", "data-dependent number that device ops use"),
 }
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
 # (H3's text refiner on its own text rows, gathered once after it). Sana's self-attention is linear attention (not
@@ -31,7 +29,7 @@ REFUSED = {
 # cross-attentions run on this rank's query rows.
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
-                    "hunyuan_video": 5, "sana": 2}
+                    "hunyuan_video": 5, "sana": 2, "lumina2": 2, "mochi": 1}
 
 
 @pytest.fixture(scope="module")

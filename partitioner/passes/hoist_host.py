@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import PassContext
-from ..errors import InvariantError
+from ..errors import DataDependentNumber, InvariantError
 from ..padding import follow_padding
 from ..rules import PartitionError
 from ..trace import GraphInput, source_line
@@ -146,9 +146,9 @@ def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple
         env[node] = prologue.node_copy(node, lambda n: env[n])
         device_users = [u.name for u in node.users if u not in host]
         if device_users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
-            raise PartitionError(f"{node.name} ({node.target}) is a data-dependent number that device ops use "
-                                 f"({', '.join(device_users)}; {source_line(node)}); compute the tensor it sizes "
-                                 "on the host, or give the model a static size")
+            raise DataDependentNumber(f"{node.name} ({node.target}) is a data-dependent number that device ops use "
+                                      f"({', '.join(device_users)}; {source_line(node)}); compute the tensor it "
+                                      "sizes on the host, or give the model a static size")
     outgoing = [n for n in ordered if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in host for u in n.users)]
     prologue.output(tuple(env[n] for n in outgoing))
     return prologue, inputs, outgoing

@@ -162,6 +162,26 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     return _annotate(exchange, producer, axis, required, {producer: current}, "all_to_all")
 
 
+def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:
+    """An attention output whose rows are in rank order (each rank's part of every block of a packed joint
+    sequence in turn), gathered whole along ``current`` (its heads) and its rows put back in the sequence's order:
+    for each block, each rank's part of it. The inverse of ``_rank_order``; static slices, no communication."""
+    gathered = _all_gather(attention, current, axis, ctx)
+    ranks, val = ctx.mesh.size(axis), attention.meta["val"]
+    steps = [block // ranks for block in blocks]
+    pieces, anchor = [], gathered
+    for index, step in enumerate(steps):
+        for rank in range(ranks):
+            start = rank * sum(steps) + sum(steps[:index])
+            with attention.graph.inserting_after(anchor):
+                anchor = attention.graph.call_function(aten.slice.Tensor, (gathered, 2, start, start + step))
+            anchor.meta["local_slice"] = True  # bounds in the gathered rank order, not the global value's
+            pieces.append(_annotate(anchor, attention, axis, R, {gathered: R}, val=val.narrow(2, 0, step)))
+    with attention.graph.inserting_after(anchor):
+        joined = attention.graph.call_function(aten.cat.default, (pieces, 2))
+    return _annotate(joined, attention, axis, R, {p: R for p in pieces})
+
+
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     """This rank's part of a replicated value: free, no communication."""
     graph = producer.graph
@@ -182,6 +202,8 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
     order = producer.args[0].meta.get("rank_order") if producer.target is _ATTENTION else None
+    if order is not None and order[0] == axis and required == R and is_sharded(current) and current.dim != 2:
+        return _gather_in_packed_order(producer, current, order[1], axis, ctx)
     if order is not None and order[0] == axis and required != PackedShard(2, order[1]):
         raise PartitionError(f"{producer.name}: the attention's rows are in rank order (a packed joint sequence) "
                              f"and {consumer.name} needs them as {required}; only the exchange back to the packed "

@@ -27,6 +27,29 @@ def index_select(node: Node, placements, axis_size: int) -> Decision:
 
 
 
+@register(aten.gather.default)
+def gather(node: Node, placements, axis_size: int) -> Decision:
+    """gather(input, dim, index): ``out[..., i, ...] = input[..., index[..., i, ...], ...]`` along ``dim``, and
+    position for position along every other dim. Rows of the index split along ``dim`` read any row of the input,
+    which stays whole (rotary tables gathered by per-token positions); along another dim the index and the input
+    are split alike, which needs them of one size there."""
+    source, dim, index = node.args[:3]
+    dim = norm_dim(dim, len(shape_of(node)))
+    sharded = {n: placements[n] for n in (source, index) if is_sharded(placements.get(n, R))}
+    if not sharded:
+        return Decision(R, {source: R, index: R})
+    if len(set(sharded.values())) != 1 or not all(isinstance(p, Shard) for p in sharded.values()):
+        raise Unshardable("gather with its input and index sharded differently")
+    out = next(iter(sharded.values()))
+    if out.dim == dim:
+        if source in sharded:
+            raise Unshardable("gather from an input sharded along the gathered dim")
+        return Decision(out, {source: R, index: out})
+    if shape_of(source)[out.dim] != shape_of(index)[out.dim]:
+        raise Unshardable(f"gather's input and index differ in size along the sharded dim {out.dim}")
+    return Decision(out, {source: out, index: out})
+
+
 @register(aten.index_copy.default)
 def index_copy(node: Node, placements, axis_size: int) -> Decision:
     target, dim, index, source = node.args[:4]

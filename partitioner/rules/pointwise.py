@@ -13,7 +13,8 @@ aten = torch.ops.aten
 # Output placed like the first input, the only one whose values matter.
 SAME_AS_INPUT = (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
                  aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default,
-                 aten.dropout.default, aten.alias.default, aten.detach.default)
+                 aten.dropout.default, aten.alias.default, aten.detach.default, aten.fill.Scalar,
+                 aten.fill.Tensor)  # fill: self's shape, every element one (replicated) value
 # Take only dtype and device from their input: a new, whole tensor.
 CREATION_FROM = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
 # Ops that make a tensor of a size they name (argument index), whatever their inputs hold: a rank can make just

@@ -234,6 +234,17 @@ def expand(node: Node, dim: int) -> int:
 
 
 
+@register(aten.repeat.default)
+@_moves_dims
+def repeat(node: Node, dim: int) -> int:
+    """repeat (tiling; leading repeats add dims): a sharded dim passes only where it is repeated once (grouped
+    key/value heads tiled along a new dim of size 1); tiling it would interleave the ranks' rows."""
+    new = len(node.args[1]) - len(shape_of(node.args[0]))
+    if node.args[1][dim + new] != 1:
+        raise Unshardable("repeat tiles the sharded dim")
+    return dim + new
+
+
 @register(aten.slice.Tensor, aten.select.int, aten.narrow.default)
 def slice_like(node: Node, placements, axis_size: int) -> Decision:
     """slice / select / index_select / narrow along a dim other than the sharded one."""

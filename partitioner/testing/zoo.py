@@ -327,9 +327,10 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                   num_attention_heads=4, num_kv_heads=2, multiple_of=16, axes_dim_rope=_ROPE16, cap_feat_dim=32),
         full=dict(cap_feat_dim=2304),  # Lumina-Image-2.0: class defaults with Gemma-2-2B's 2304-wide captions
         make_inputs=lumina2_inputs,
-        notes=("eager ok; padded text rows verified masked; export fails: `TypeError: unhashable type: non-nested "
-              "SymInt` (forward does `len(set(seq_lengths))` on the row sums of the mask, data-dependent; pad=0 too). "
-              "full 2.61B params (Lumina-Image-2.0, from memory).")),
+        notes=("eager ok; padded text rows verified masked; symbolic export fails: `TypeError: unhashable type: "
+              "non-nested SymInt` (forward does `len(set(seq_lengths))` on the row sums of the mask; pad=0 too), so "
+              "it is traced for the mask's values (value_specialization). full 2.61B params (Lumina-Image-2.0, from "
+              "memory).")),
     ZooModel(
         "hidream", "HiDreamImageTransformer2DModel",
         tiny=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=2,
@@ -374,8 +375,9 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                   in_channels=4, text_embed_dim=32, time_embed_dim=32, max_sequence_length=8),
         full=dict(),  # Mochi 1 preview (10B): the class defaults
         make_inputs=mochi_inputs,
-        notes=("eager ok; padded text rows verified masked; export ok. full 10.03B params (Mochi 1 preview = the "
-              "class defaults).")),
+        notes=("eager ok; padded text rows verified masked; export ok, but its attention drops padded prompt rows "
+              "with `nonzero` (a size the host prologue cannot take): traced for the mask's values "
+              "(value_specialization). full 10.03B params (Mochi 1 preview = the class defaults).")),
     ZooModel(
         "cogvideox", "CogVideoXTransformer3DModel",
         tiny=TINY_COGVIDEOX,
