@@ -77,29 +77,37 @@ class Partitioned:
                              "partition() from a module); partition again for other shapes")
         plan = Plan.of(self)
 
-        values = self.traced.values_specialized  # traced for its inputs' values: so is every specialisation
-
-        def build() -> Partitioned:
+        def planned(values: bool) -> Partitioned:
             traced = trace(self.skeleton, example_inputs, specialize_values=values)
             try:
-                new = partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets, overlap=self.ctx.overlap)
+                return partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
+                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap)
+            except DataDependentNumber:
+                raise
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
                 traced = trace(self.skeleton, example_inputs, specialize_values=values)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap,
                                        plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
                 new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
+                return new
+
+        def build() -> Partitioned:
+            values = self.traced.values_specialized  # traced for its inputs' values: so is every specialisation
+            try:
+                new = planned(values)
+            except DataDependentNumber:  # as partition() does: the host prologue cannot take a size
+                if values:
+                    raise
+                new = planned(True)
             if new.slice_specs != self.slice_specs:
                 raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
                                      "the traced ones; partition again for them")
-            constants = {gi.target: new.state[gi.target] for gi in new.ctx.inputs if gi.kind == "constant"}
-            # the weights are shared; a trace for other values has its own constants (what it folded from them)
-            new.state = {**self.state, **constants} if values else self.state
-            if values and self.global_state is not None:
-                new.global_state = {**self.global_state, **{name: new.global_state[name] for name in constants}}
-            else:
-                new.global_state = self.global_state
+            # The weights are shared. The new trace's own constants (what it folded from the values it was traced
+            # for, tensors the model makes from literals) replace those of the same name.
+            new.state = {**self.state, **_real_constants(new, new.state, self.state)}
+            if self.global_state is not None:
+                new.global_state = {**self.global_state, **_real_constants(new, new.global_state, self.global_state)}
             new.checkpoint = self.checkpoint
             new.model_config, new.model_dtype, new.skeleton, new.source = \
                 self.model_config, self.model_dtype, self.skeleton, self.source
@@ -245,6 +253,15 @@ class Partitioned:
             state.update({name: self.global_state[name] for name in computed})
         _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
+
+
+def _real_constants(partitioned: "Partitioned", state: dict, like: dict) -> dict[str, torch.Tensor]:
+    """The constants of ``partitioned``'s trace that have values (a skeleton on the meta device traces meta ones),
+    on the device of the tensors in ``like``."""
+    device = next((t.device for t in like.values() if not t.is_meta), None)
+    return {gi.target: state[gi.target].to(device) if device is not None else state[gi.target]
+            for gi in partitioned.ctx.inputs if gi.kind == "constant" and gi.target in state
+            and not state[gi.target].is_meta}
 
 
 def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:
@@ -435,6 +452,10 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
                       buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
                       overlap=Overlap.parse(overlap))
+    read = {ctx.input_names[i] for i in traced.values} & {name for name, _ in ctx.buckets}
+    if read:  # the values read would include the bucket's padding: the trace would be exact for the padded call
+        raise PartitionError(f"{model_name} reads the values of {sorted(read)} ({traced.value_reads[0]}), which "
+                             "buckets pad; drop the bucket for it (each size is then traced on its own)")
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
         overrides = plan.linear_overrides()

@@ -110,6 +110,8 @@ class PartitionedModule(torch.nn.Module):
             raise InputError(f"{self._partitioned.model_name}: a call with {shapes or 'other arguments'} (traced: "
                              + ", ".join(f"{name}{shape}" for name, shape in traced.items() if name in shapes)
                              + f") differs from the traced one and the model cannot be traced for it: {why}") from error
+        names = input_names(specialized.traced.in_spec)  # (a trace for other shapes may read values the first did not)
+        self._valued |= {names[i] for i in specialized.traced.values}
         lowered, tensors = specialized.lower(self._backend, **self._options)
         padded = [f"{name} dim {dim} to {sizes}" for (name, dim), sizes in self._partitioned.ctx.buckets.items()]
         self.specializations[shapes] = ("shapes or values other than the traced ones: the plan applied to a new trace"

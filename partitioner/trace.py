@@ -7,7 +7,9 @@ placeholder is, the pytree specs of the forward's inputs and outputs, and the mo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from .errors import TraceError
-from .value_specialization import ValueRead, ValueShadow, shadowing_forward, specializable
+from .value_specialization import ValueRead, ValueShadow, forward_replaced, shadowing_forward, specializable
 
 
 
@@ -137,6 +139,44 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def inline_plain_autocast(gm: torch.fx.GraphModule) -> None:
+    """Inline the ``wrap_with_autocast`` regions that change no dtype: disabled ones (export keeps a region traced
+    where autocast was off, e.g. Mochi's float32 rotary einsum on CPU) and those whose every floating value already
+    has the autocast dtype (autocast casts nothing there). The passes see through their ops then; a region that
+    does change dtypes stays opaque (and replicated)."""
+    from torch._higher_order_ops.wrap import wrap_with_autocast
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not wrap_with_autocast:
+            continue
+        _, dtype, enabled, _, body, *operands = node.args
+        body = getattr(gm, body.target)
+        values = [n.meta.get("val") for n in body.graph.nodes]
+        floats = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if enabled and any(v.dtype != dtype for v in floats):
+            continue
+        env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], operands))
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "call_function":
+                    env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+        results = [env[n] for n in torch.fx.node.map_arg(next(n for n in body.graph.nodes if n.op == "output")
+                                                           .args[0], lambda n: n)]
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                break
+            user.replace_all_uses_with(results[user.args[1]])
+            gm.graph.erase_node(user)
+        else:
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+
+
 def _inline_constant_arguments(gm: torch.fx.GraphModule, inputs: list[GraphInput], constants: dict) -> list:
     """Non-tensor arguments (``return_dict=True``, ``attention_kwargs=None``) were specialised by export; their
     placeholders become the constants themselves, so the graph takes tensors only (compilers want that) and the
@@ -167,10 +207,11 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name).
     Returns the program and where the model read the values."""
     shadow = ValueShadow(type(model).__module__.split(".")[0])
-    if values:
-        model.forward = shadowing_forward(model, shadow, values, argument_name)
+    replaced = forward_replaced(model, shadowing_forward(model, shadow, values, argument_name)) if values else \
+        contextlib.nullcontext()
     try:
-        with torch.no_grad():  # partitions are for inference: no autograd state in the graph (out= ops need it)
+        # partitions are for inference: no autograd state in the graph (out= ops need it)
+        with replaced, torch.no_grad():
             return torch.export.export(model, (), kwargs=named), shadow.reads
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -180,9 +221,6 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
             "partition needs a model that torch.export.export(model, (), kwargs=...) accepts; see the chained "
             "exception for where tracing stopped."
         ) from error
-    finally:
-        if values:
-            del model.forward
 
 
 def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = False) -> Traced:
@@ -216,8 +254,10 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
             program, reads = _export(model, named, owner, values)
-        except TraceError:
-            raise error from error.__cause__
+        except TraceError as again:
+            why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
+            raise TraceError(f"{error}\n(traced again for the values of {', '.join(values)}: {why})") \
+                from error.__cause__
         specialize_values = True
     read_names = {name for read in reads for name in read.inputs}
     specialized = {names.index(name): values[name].detach().cpu().clone() for name in read_names}
@@ -230,11 +270,19 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
                          "that do not write to their parameters, buffers or inputs")
     program = functionalize(program, owner)
     gs = program.graph_signature
+    mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
+    if mutated:  # written through a view (``mask.mT.zero_()``): functionalization makes it an output
+        raise TraceError(f"{owner}.forward mutates {sorted(set(mutated))} through a view; partition supports "
+                         "inference graphs that do not write to their parameters, buffers or inputs")
 
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
     state = dict(program.state_dict)
-    state.update(program.constants)
+    # constants (tensors the model makes from literals, what value specialisation folded) live with the weights
+    devices = {t.device for t in program.state_dict.values() if not t.is_meta}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    state.update({name: t.to(device) if isinstance(t, torch.Tensor) and not t.is_meta and device.type != "cpu"
+                  else t for name, t in program.constants.items()})
     inputs, user_index = [], 0
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
     for spec in gs.input_specs:
@@ -248,6 +296,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = program.graph_module
+    inline_plain_autocast(gm)
     clean_export_graph(gm)
     inputs = _inline_constant_arguments(gm, inputs, constant_args)
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()

@@ -5,20 +5,27 @@ Python (``mask.sum(dim=1).tolist()`` to branch on ``len(set(lengths))``, Lumina2
 (``nonzero(mask)`` to drop padded text rows, Mochi) cannot be traced symbolically, and the host prologue cannot
 take it either: the number sizes device ops. Such a model is traced for the values of one call instead.
 
-While export runs, ``ValueShadow`` carries next to every fake tensor computed only from those inputs its real value
-(computed on the side, on copies). Whatever Python reads from such a tensor (``item``, ``tolist``, ``bool``,
-``nonzero``'s size) is the real value, and every tensor computed only from such inputs enters the graph as a
-constant. The graph is then exact for those input values and no others: ``Traced.values`` keeps them, and every
-call of the partition compares its inputs against them (``CompiledPartition`` refuses a call that differs; the
-drop-in module traces again for it, as it does for new shapes).
+While export runs, ``ValueShadow`` carries next to every fake tensor computed only from those inputs its real value,
+computed on the side (on copies: the caller's tensors are never written) by the same ops. The graph still computes
+those tensors; only two things take the real values:
+- what Python reads (``item``, ``tolist``, ``bool``): the real numbers;
+- an op whose output size depends on values (``nonzero``, ``unique``, a boolean index: its meta kernel cannot size
+  it): its real result enters the graph as a constant.
+The graph is then exact for the values read and no others: ``Traced.values`` keeps the inputs they derive from,
+and every call of the partition compares its inputs against them (``CompiledPartition`` refuses a call that
+differs; the drop-in module traces again for it, as it does for new shapes). An input that is only computed with,
+never read, is not pinned.
 
-Only integer and boolean inputs are specialised: they describe structure (masks, lengths, ids) and stay fixed over
-a pipeline's denoising steps, while a float input (latents, a timestep) changes at every step. Metadata queries
-(``shape``, ``dim()``, ``dtype``) read no values and are answered by the fake tensor.
+Refused (a ``TraceError`` naming the model's line), because the shadow could not follow it: a tensor the trace
+reads being written in place with values computed from other inputs. Random ops are never shadowed (their
+results would be frozen). Only integer and boolean inputs are specialised: they describe structure (masks,
+lengths, ids) and stay fixed over a pipeline's denoising steps, while a float input (latents, a timestep) changes
+at every step. Metadata queries (``shape``, ``dim()``, ``dtype``) are answered by the fake tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import traceback
 from dataclasses import dataclass
@@ -29,10 +36,29 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Tensor methods and properties that answer from shape, dtype or device alone: the fake tensor answers them.
+from .errors import TraceError
+
+# Tensor methods answered from shape, dtype or device alone (properties too: ``__get__``), unless they return a
+# tensor (``x.T``, ``x.type(torch.float)``), which is then shadowed like any op's.
 _METADATA = {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
              "is_contiguous", "element_size", "is_floating_point", "is_complex", "get_device", "__len__", "type",
-             "data_ptr", "untyped_storage", "__format__", "__repr__"}
+             "data_ptr", "untyped_storage"}
+# Ops whose results are random: never shadowed (their values would be frozen into the trace).
+_RANDOM = {"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson", "dropout",
+           "feature_dropout", "alpha_dropout", "native_dropout", "rrelu", "uniform_", "normal_", "bernoulli_",
+           "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
+_IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                       "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                       "__imatmul__"}
+
+
+def _written(name: str, args, kwargs):
+    """The tensor an op writes in place (its ``self`` or ``out``), or None."""
+    if kwargs.get("out") is not None:
+        return kwargs["out"]
+    if name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("__")):
+        return args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -88,21 +114,60 @@ class ValueShadow(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = _op_name(func)
+        short = name.rsplit(".", 1)[-1]
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not tensors or _op_name(func).rsplit(".", 1)[-1] in _METADATA or not all(t in self.real for t in tensors):
+        shadowed = [t for t in tensors if t in self.real]
+        written = _written(short, args, kwargs)
+        if not shadowed or short in _RANDOM:
             return func(*args, **kwargs)
-        roots = tuple(sorted({root for t in tensors for root in self.roots[t]}))
-        with _disable_current_modes(), torch._C.DisableTorchFunction():
-            real_args = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t], (args, kwargs))
-            real = func(*real_args[0], **real_args[1])
-        self.reads.append(ValueRead(_op_name(func), roots, self._where()))
-        if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(real)):
+        if len(shadowed) < len(tensors):  # the result is not computed from the specialised inputs alone
+            if written is not None and written in self.real:
+                raise TraceError(f"{name} writes a value computed from other inputs into a tensor computed from "
+                                 f"{', '.join(self.roots[written])}, whose values the trace reads ({self._where()})")
+            return func(*args, **kwargs)
+        roots = tuple(sorted({root for t in shadowed for root in self.roots[t]}))
+        if short in _METADATA:
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor):  # a view or a conversion: shadowed as any op
+                self._register(result, self._real(func, args, kwargs), roots)
+            return result
+        real = self._real(func, args, kwargs)
+        if written is None and not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(real)):
+            self.reads.append(ValueRead(name, roots, self._where()))
             return real  # Python reads a number, a list or a bool: the real one
-        made = pytree.tree_map_only(torch.Tensor, lambda value: _constant(value, tensors[0].device), real)
-        for fake, value in zip(pytree.tree_leaves(made), pytree.tree_leaves(real)):
-            if isinstance(fake, torch.Tensor):
-                self.real[fake], self.roots[fake] = value, roots
-        return made
+        if written is None and self._sized_by_values(func, args, kwargs, real):
+            self.reads.append(ValueRead(name, roots, self._where()))
+            made = pytree.tree_map_only(torch.Tensor, lambda value: _constant(value, tensors[0].device), real)
+            self._register(made, real, roots)
+            return made
+        result = func(*args, **kwargs)  # the graph computes it; the shadow follows (an in-place write too)
+        self._register(result, real, roots)
+        return result
+
+    def _real(self, func, args, kwargs):
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t], (args, kwargs))
+            return func(*real_args, **real_kwargs)
+
+    def _register(self, fake, real, roots) -> None:
+        for f, r in zip(pytree.tree_leaves(fake), pytree.tree_leaves(real)):
+            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor):
+                self.real[f], self.roots[f] = r, roots
+
+    def _sized_by_values(self, func, args, kwargs, real) -> bool:
+        """Whether the op's output shape depends on its inputs' values: its meta kernel cannot compute it (as for
+        nonzero, unique, masked_select, a boolean index) or computes another one."""
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t].to("meta"),
+                                                          (args, kwargs))
+            try:
+                meta = func(*meta_args, **meta_kwargs)
+            except Exception:  # (meta kernels refuse data-dependent sizes)
+                return True
+        shapes = lambda value: [tuple(t.shape) for t in pytree.tree_leaves(value)  # noqa: E731
+                                if isinstance(t, torch.Tensor)]
+        return shapes(meta) != shapes(real)
 
     def _where(self) -> str:
         frames = traceback.extract_stack()[:-2]
@@ -130,3 +195,21 @@ def shadowing_forward(model: torch.nn.Module, shadow: ValueShadow, real: dict[st
             return original(*args, **kwargs)
 
     return forward
+
+
+@contextlib.contextmanager
+def forward_replaced(model: torch.nn.Module, forward):
+    """``model.forward`` is ``forward`` inside the block; an instance's own ``forward`` (a hook library's) is put
+    back after it."""
+    own = model.__dict__.get("forward", _NONE)
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is _NONE:
+            del model.forward
+        else:
+            model.forward = own
+
+
+_NONE = object()

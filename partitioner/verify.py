@@ -70,6 +70,23 @@ def _local_part(value, placements: dict, mesh):
     return value
 
 
+def _as_delivered(node: Node, value, mesh):
+    """An attention over a packed joint sequence runs on rows in rank order (each rank's part of every block in
+    turn, as the exchange delivers them; keys and values alike): its reference output, reordered so."""
+    order = node.args[0].meta.get("rank_order") if node.target is torch.ops.aten.scaled_dot_product_attention.default \
+        else None
+    if order is None or not isinstance(value, torch.Tensor):
+        return value
+    axis, blocks = order
+    ranks, pieces = mesh.size(axis), []
+    for rank in range(ranks):
+        offset = 0
+        for block in blocks:
+            pieces.append(value.narrow(2, offset + rank * (block // ranks), block // ranks))
+            offset += block
+    return torch.cat(pieces, 2)
+
+
 def _error(local, expected) -> tuple[float, float]:
     """Largest absolute difference and the reference's largest magnitude, over every tensor of a value."""
     pairs = [(a, b) for a, b in zip(pytree.tree_leaves(local), pytree.tree_leaves(expected))
@@ -130,7 +147,7 @@ def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, at
             break
         if node.name not in reference.values or node.name not in local.values or "placements" not in node.meta:
             continue
-        expected = _local_part(reference.values[node.name], node.meta["placements"], mesh)
+        expected = _local_part(_as_delivered(node, reference.values[node.name], mesh), node.meta["placements"], mesh)
         if expected is None or any(e is None for e in (expected if isinstance(expected, list) else ())):
             continue
         error, scale = _error(local.values[node.name], expected)

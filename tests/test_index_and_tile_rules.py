@@ -1,13 +1,15 @@
-"""Sharding rules of gather, repeat and fill (Lumina2's rotary tables gathered by per-token positions, its grouped
-key/value heads tiled, position ids written by fill), checked on exported one-op graphs: the placement a rule
-gives is what the op's semantics allow, and a case it cannot serve exactly is Unshardable."""
+"""Sharding rules of gather, repeat, fill, einsum and one-tensor indexing (Lumina2's rotary tables gathered by
+per-token positions, its grouped key/value heads tiled, position ids written by fill; Mochi's rotary angles by
+einsum, its valid text rows picked by index), checked on exported one-op graphs: the placement a rule gives is
+what the op's semantics allow, and a case it cannot serve exactly is Unshardable. Also: a ``torch.autocast``
+region that changes no dtype is inlined by the trace, so the rules see its ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from partitioner.placement import Shard
+from partitioner.placement import Partial, Shard
 from partitioner.rules.core import R, Unshardable, rule_for
 
 aten = torch.ops.aten
@@ -63,3 +65,62 @@ def test_fill_keeps_its_target_placement_and_a_whole_value():
                          target=aten.fill.Tensor)
     decision = _decide(node, {a: Shard(0)})
     assert decision.output == Shard(0) and decision.inputs[v] == R
+
+
+def test_einsum_follows_the_sharded_letter():
+    positions, frequencies = torch.randn(16, 3), torch.randn(3, 4, 8)
+    node, (p, f) = _node(lambda p, f: torch.einsum("nd,dhf->nhf", p, f), positions, frequencies,
+                         target=aten.einsum.default)
+    decision = _decide(node, {p: Shard(0)})  # rows of positions: rows of the angles
+    assert decision.output == Shard(0) and decision.inputs[f] == R
+    decision = _decide(node, {f: Shard(1)})  # heads of the frequencies: heads of the angles
+    assert decision.output == Shard(1) and decision.inputs[p] == R
+    decision = _decide(node, {p: Shard(1)})  # the summed letter: each rank's part of the sum, the other cut alike
+    assert isinstance(decision.output, Partial) and decision.inputs[f] == Shard(0)
+    with pytest.raises(Unshardable):
+        _decide(node, {p: Shard(0), f: Shard(1)})
+
+
+def test_indexing_with_one_index_tensor_is_an_index_select():
+    node, (x, i) = _node(lambda x, i: x[:, :, i], torch.randn(1, 4, 8, 16), torch.tensor([0, 2, 3, 5]),
+                         target=aten.index.Tensor)
+    assert _decide(node, {x: Shard(1)}).output == Shard(1)  # heads pass
+    with pytest.raises(Unshardable):  # rows picked from a table split along them
+        _decide(node, {x: Shard(2)})
+    decision = _decide(node, {i: Shard(0)})  # each rank picks its part of the rows from the whole table
+    assert decision.output == Shard(2) and decision.inputs[x] == R
+
+
+def test_an_autocast_region_that_changes_no_dtype_is_inlined():
+    from partitioner.trace import trace
+
+    class RotaryAngles(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frequencies = torch.nn.Parameter(torch.randn(3, 4, 8))
+
+        def forward(self, positions):
+            with torch.autocast("cpu", torch.float32):  # (float32 autocast on the CPU: disabled, as in Mochi)
+                return torch.einsum("nd,dhf->nhf", positions, self.frequencies).cos()
+
+    model, positions = RotaryAngles(), torch.randn(16, 3)
+    traced = trace(model, ((positions,), {}))
+    targets = [str(n.target) for n in traced.graph_module.graph.nodes]
+    assert "aten.einsum.default" in targets and not any("autocast" in t for t in targets), targets
+    assert torch.equal(traced.graph_module(model.frequencies, positions)[0], model(positions))
+
+
+def test_an_autocast_region_that_casts_stays_whole():
+    from partitioner.trace import trace
+
+    class Bfloat16Matmul(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            with torch.autocast("cpu", torch.bfloat16):  # the matmul runs in bfloat16: inlining would drop that
+                return x @ self.weight
+
+    traced = trace(Bfloat16Matmul(), ((torch.randn(4, 8),), {}))
+    assert any("autocast" in str(n.target) for n in traced.graph_module.graph.nodes)

@@ -131,14 +131,38 @@ def _split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
 
 
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
-    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
-        raise PartitionError(f"{producer.name}: gathering a packed shard {placement} is not supported; "
-                             "override the plan so that this value stays replicated")
     sizes = _axis_sizes(producer, placement, axis, ctx)
     with producer.graph.inserting_after(producer):
         gather = producer.graph.call_function(
             collectives.all_gather, (producer, placement.dim, sizes, ctx.mesh.group_name(axis)))
-    return _annotate(gather, producer, axis, R, {producer: placement}, "all_gather")
+    gathered = _annotate(gather, producer, axis, R, {producer: placement}, "all_gather")
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        size = _split_size(producer, placement, axis, ctx)
+        return _in_sequence_order(gathered, producer, placement, size, axis, ctx)
+    return gathered
+
+
+def _in_sequence_order(gathered: Node, like: Node, placement: PackedShard, size: int, axis: str,
+                       ctx: PassContext) -> Node:
+    """The rows of a gathered packed value, which arrive rank by rank (each rank's part of every block in turn),
+    put back in the value's order along ``placement.dim``: static slices and one cat, no communication."""
+    ranks, dim, graph = ctx.mesh.size(axis), placement.dim, gathered.graph
+    pieces, position = [], 0  # (start in the value, start in the gathered rows, length)
+    for rank in range(ranks):
+        for start, end in shard_slices(placement, size, ranks, rank):
+            pieces.append((start, position, end - start))
+            position += end - start
+    sliced, anchor, val = [], gathered, like.meta["val"]
+    for _, at, length in sorted(pieces):
+        if length == 0:
+            continue
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(aten.slice.Tensor, (gathered, dim, at, at + length))
+        anchor.meta["local_slice"] = True  # bounds in the gathered rank order, not the value's
+        sliced.append(_annotate(anchor, like, axis, R, {gathered: R}, val=val.narrow(dim, 0, length)))
+    with graph.inserting_after(anchor):
+        joined = graph.call_function(aten.cat.default, (sliced, dim))
+    return _annotate(joined, like, axis, R, {p: R for p in sliced})
 
 
 def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
@@ -164,22 +188,10 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
 
 def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:
     """An attention output whose rows are in rank order (each rank's part of every block of a packed joint
-    sequence in turn), gathered whole along ``current`` (its heads) and its rows put back in the sequence's order:
-    for each block, each rank's part of it. The inverse of ``_rank_order``; static slices, no communication."""
+    sequence in turn), gathered whole along ``current`` (its heads) and its rows put back in the sequence's order."""
     gathered = _all_gather(attention, current, axis, ctx)
-    ranks, val = ctx.mesh.size(axis), attention.meta["val"]
-    steps = [block // ranks for block in blocks]
-    pieces, anchor = [], gathered
-    for index, step in enumerate(steps):
-        for rank in range(ranks):
-            start = rank * sum(steps) + sum(steps[:index])
-            with attention.graph.inserting_after(anchor):
-                anchor = attention.graph.call_function(aten.slice.Tensor, (gathered, 2, start, start + step))
-            anchor.meta["local_slice"] = True  # bounds in the gathered rank order, not the global value's
-            pieces.append(_annotate(anchor, attention, axis, R, {gathered: R}, val=val.narrow(2, 0, step)))
-    with attention.graph.inserting_after(anchor):
-        joined = attention.graph.call_function(aten.cat.default, (pieces, 2))
-    return _annotate(joined, attention, axis, R, {p: R for p in pieces})
+    rows = PackedShard(2, blocks)
+    return _in_sequence_order(gathered, attention, rows, sum(blocks), axis, ctx)
 
 
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:

@@ -86,6 +86,14 @@ def _localize_sizes(node: Node, mesh) -> None:
             node.args = (*node.args[:index], groups, *node.args[index + 1:])
         else:  # (export passes it positionally; a keyword is kept a keyword)
             node.kwargs = {**node.kwargs, "groups": groups}
+    elif node.target in (aten.pad.default, aten.constant_pad_nd.default):  # a rank pads its part of the new rows
+        widths, ndim = list(node.args[1]), len(node.args[0].meta["global_shape"])
+        grown = [d for d, (out, source) in enumerate(zip(_expected_local(node, mesh), _expected_local(node.args[0], mesh)))
+                 if out - source != sum(widths[2 * (ndim - 1 - d):2 * (ndim - 1 - d) + 2])]
+        for d in grown:
+            side = 2 * (ndim - 1 - d) + (0 if widths[2 * (ndim - 1 - d)] else 1)
+            widths[side] = _expected_local(node, mesh)[d] - _expected_local(node.args[0], mesh)[d]
+        node.args = (node.args[0], widths, *node.args[2:])
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])

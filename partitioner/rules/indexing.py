@@ -27,6 +27,27 @@ def index_select(node: Node, placements, axis_size: int) -> Decision:
 
 
 
+@register(aten.index.Tensor)
+def index_tensor(node: Node, placements, axis_size: int) -> Decision:
+    """``x[:, :, rows]`` with one 1-D index tensor (Mochi's valid text rows): index_select along its dim. Several
+    or multi-dim index tensors reshape the result and are left whole."""
+    source, indices = node.args[:2]
+    picked = [(dim, index) for dim, index in enumerate(indices) if index is not None]
+    sharded = {n: placements[n] for n in node.all_input_nodes if is_sharded(placements.get(n, R))}
+    if not sharded:
+        return Decision(R, {n: R for n in node.all_input_nodes})
+    if len(picked) != 1 or len(shape_of(picked[0][1])) != 1:
+        raise Unshardable("advanced indexing with several or multi-dim index tensors")
+    (dim, index), placement = picked[0], sharded.get(source)
+    if index in sharded:
+        if placement is not None or type(sharded[index]) is not Shard:
+            raise Unshardable("indexing with both the table and the index sharded")
+        return Decision(Shard(dim), {source: R, index: sharded[index]})
+    if placement.dim == dim:
+        raise Unshardable("indexing along the sharded dim")
+    return Decision(placement, {source: placement, index: R})
+
+
 @register(aten.gather.default)
 def gather(node: Node, placements, axis_size: int) -> Decision:
     """gather(input, dim, index): ``out[..., i, ...] = input[..., index[..., i, ...], ...]`` along ``dim``, and

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..placement import Partial, is_sharded
+from ..placement import Partial, Shard, is_sharded
 from .core import R, Decision, Unshardable, register, shape_of, with_dim
 
 aten = torch.ops.aten
@@ -74,3 +74,32 @@ def matmul(node: Node, placements, axis_size: int) -> Decision:
                                   ((pa, dims[0], shapes[0]), (pb, dims[1], shapes[1]))):
         raise Unshardable(f"matmul broadcasts the sharded batch dim {sharded.dim}")
     return Decision(with_dim(sharded, role[1]), inputs)
+
+
+@register(aten.einsum.default)
+def einsum(node: Node, placements, axis_size: int) -> Decision:
+    """einsum with an explicit output (``"nd,dhf->nhf"``: Mochi's rotary angles from positions): a shard follows its
+    index letter. Every operand with that letter is cut alike (a whole one locally; one of size 1 there broadcasts
+    and stays whole); the output is cut along the letter, or Partial when the letter is summed over."""
+    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
+    placed = [R if isinstance(placements.get(n, R), Partial) else placements.get(n, R) for n in operands]
+    if not any(is_sharded(p) for p in placed):
+        return Decision(R, {n: R for n in operands})
+    if "..." in equation or "->" not in equation:
+        raise Unshardable("einsum with an ellipsis or an implicit output")
+    terms, out = equation.split("->")
+    terms = terms.split(",")
+    if any(len(set(term)) != len(term) for term in terms) or any(type(p) is not Shard and is_sharded(p)
+                                                                 for p in placed):
+        raise Unshardable("einsum with a repeated index or a packed shard")
+    letters = {term[p.dim] for term, p in zip(terms, placed) if is_sharded(p)}
+    if len(letters) != 1:
+        raise Unshardable(f"einsum operands sharded along different indices {sorted(letters)}")
+    (letter,) = letters
+    inputs = {}
+    for operand, term, placement in zip(operands, terms, placed):
+        wanted = Shard(term.index(letter)) if letter in term and shape_of(operand)[term.index(letter)] != 1 else R
+        if is_sharded(placement) and placement != wanted or inputs.get(operand, wanted) != wanted:
+            raise Unshardable(f"einsum operand {operand.name} cut otherwise than along {letter!r}")
+        inputs[operand] = wanted
+    return Decision(Shard(out.index(letter)) if letter in out else Partial(), inputs)

@@ -11,7 +11,7 @@ import torch
 from torch.fx import Node
 
 from ..errors import PartitionError
-from ..placement import PackedShard, Shard, block_offsets, is_sharded, packed_shard, unit_of
+from ..placement import InnerShard, PackedShard, Shard, block_offsets, is_sharded, packed_shard, unit_of
 from .core import (R, Decision, NeedsPacking, NeedsUnit, Unshardable, norm_dim, register, replicate_all, same_as_input,
                    shape_of, sharded_inputs, with_dim)
 
@@ -314,8 +314,9 @@ def _splits(blocks, unit: int, axis_size: int) -> bool:
 
 @register(aten.pad.default, aten.constant_pad_nd.default)
 def pad(node: Node, placements, axis_size: int) -> Decision:
-    """pad / constant_pad_nd: fine along every dim but the sharded one (padding it would add rows to some ranks'
-    parts only)."""
+    """pad / constant_pad_nd: fine along every dim but the sharded one. Constant rows added at one end of the
+    sharded dim are one more block of a packed layout, each rank making its part of them (Mochi pads the joint
+    attention's text rows back to the prompt's length): ``localize`` gives each rank its width."""
     source = node.args[0]
     placement = placements.get(source, R)
     decision = same_as_input(node, placements, source)
@@ -323,9 +324,18 @@ def pad(node: Node, placements, axis_size: int) -> Decision:
         return decision
     widths, ndim = node.args[1], len(shape_of(source))
     padded = {ndim - 1 - i // 2 for i, width in enumerate(widths) if width != 0}
-    if placement.dim in padded:
-        raise Unshardable(f"pad along the sharded dim {placement.dim}")
-    return decision
+    if placement.dim not in padded:
+        return decision
+    mode = node.args[2] if node.target is aten.pad.default and len(node.args) > 2 else "constant"
+    before, after = widths[2 * (ndim - 1 - placement.dim)], widths[2 * (ndim - 1 - placement.dim) + 1]
+    if mode != "constant" or isinstance(placement, InnerShard) or min(before, after) < 0 or before and after:
+        raise Unshardable(f"pad along the sharded dim {placement.dim} (at both ends, cropping or not constant)")
+    blocks = placement.blocks if isinstance(placement, PackedShard) else (shape_of(source)[placement.dim],)
+    blocks = (before, *blocks) if before else (*blocks, after)
+    if any(block % axis_size for block in blocks):
+        raise Unshardable(f"pad along the sharded dim {placement.dim}: blocks {list(blocks)} do not split evenly "
+                          f"over {axis_size}")
+    return Decision(packed_shard(placement.dim, blocks, 1, axis_size), decision.inputs)
 
 
 @register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
