@@ -139,11 +139,33 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def inline_plain_autocast(gm: torch.fx.GraphModule) -> None:
+class _MetaAutocastAsCpu(torch.autocast):
+    """``torch.autocast("meta", ...)`` (a model on the meta device asking for autocast on its own device, as
+    Mochi's rotary does) is unsupported; traced as CPU autocast, and checked by ``inline_plain_autocast``."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _autocast_on_meta(model: torch.nn.Module):
+    if not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+    original, torch.autocast = torch.autocast, _MetaAutocastAsCpu
+    try:
+        yield
+    finally:
+        torch.autocast = original
+
+
+def inline_plain_autocast(gm: torch.fx.GraphModule, owner: str, on_meta: bool = False) -> None:
     """Inline the ``wrap_with_autocast`` regions that change no dtype: disabled ones (export keeps a region traced
     where autocast was off, e.g. Mochi's float32 rotary einsum on CPU) and those whose every floating value already
     has the autocast dtype (autocast casts nothing there). The passes see through their ops then; a region that
-    does change dtypes stays opaque (and replicated)."""
+    does change dtypes stays opaque (and replicated). A model traced on the meta device had its autocast traced
+    as the CPU's (``_MetaAutocastAsCpu``), which says nothing of the device it will run on: there only a float32
+    region over float32 values is taken (autocast to float32 casts nothing on any device); any other is refused."""
     from torch._higher_order_ops.wrap import wrap_with_autocast
 
     changed = False
@@ -154,6 +176,9 @@ def inline_plain_autocast(gm: torch.fx.GraphModule) -> None:
         body = getattr(gm, body.target)
         values = [n.meta.get("val") for n in body.graph.nodes]
         floats = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if on_meta and (dtype != torch.float32 or any(v.dtype != dtype for v in floats)):
+            raise TraceError(f"{owner}: an autocast region to {dtype} traced on the meta device ({source_line(node)}) "
+                             "would cast as the device it runs on decides; trace the model on that device")
         if enabled and any(v.dtype != dtype for v in floats):
             continue
         env = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], operands))
@@ -211,7 +236,7 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
         contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
-        with replaced, torch.no_grad():
+        with replaced, _autocast_on_meta(model), torch.no_grad():
             return torch.export.export(model, (), kwargs=named), shadow.reads
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -296,7 +321,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = program.graph_module
-    inline_plain_autocast(gm)
+    inline_plain_autocast(gm, owner, on_meta=any(p.is_meta for p in model.parameters()))
     clean_export_graph(gm)
     inputs = _inline_constant_arguments(gm, inputs, constant_args)
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()

@@ -17,8 +17,8 @@ differs; the drop-in module traces again for it, as it does for new shapes). An 
 never read, is not pinned.
 
 Refused (a ``TraceError`` naming the model's line), because the shadow could not follow it: a tensor the trace
-reads being written in place with values computed from other inputs. Random ops are never shadowed (their
-results would be frozen). Only integer and boolean inputs are specialised: they describe structure (masks,
+reads (any view of its storage) written in place by an op the shadow does not compute (values from other inputs,
+a random fill). Random ops are never shadowed (their results would be frozen), nor uninitialised ones. Only integer and boolean inputs are specialised: they describe structure (masks,
 lengths, ids) and stay fixed over a pipeline's denoising steps, while a float input (latents, a timestep) changes
 at every step. Metadata queries (``shape``, ``dim()``, ``dtype``) are answered by the fake tensor.
 """
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
@@ -43,13 +44,23 @@ from .errors import TraceError
 _METADATA = {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
              "is_contiguous", "element_size", "is_floating_point", "is_complex", "get_device", "__len__", "type",
              "data_ptr", "untyped_storage"}
-# Ops whose results are random: never shadowed (their values would be frozen into the trace).
-_RANDOM = {"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson", "dropout",
-           "feature_dropout", "alpha_dropout", "native_dropout", "rrelu", "uniform_", "normal_", "bernoulli_",
-           "exponential_", "geometric_", "log_normal_", "cauchy_", "random_"}
+# Ops whose results are random or undefined: never shadowed (their values would be frozen into the trace), and
+# never allowed to write a tensor whose values are read.
+_UNSHADOWED = {"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson",
+               "binomial", "dropout", "feature_dropout", "alpha_dropout", "native_dropout", "rrelu", "uniform_",
+               "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
+               "dropout_", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
 _IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                        "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                        "__imatmul__"}
+
+
+def _storage(tensor: torch.Tensor) -> StorageWeakRef | None:
+    """The storage a tensor's values live in (views share it), or None for one without a storage."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _written(name: str, args, kwargs):
@@ -99,18 +110,21 @@ def _constant(real: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class ValueShadow(TorchFunctionMode):
-    """Inside a trace: real values alongside the fake tensors computed only from the specialised inputs."""
+    """Inside a trace: real values alongside the fake tensors computed only from the specialised inputs.
+
+    Which inputs a value derives from is kept per storage, not per tensor: a write through one view reaches every
+    view of that storage, and so do the inputs it brings."""
 
     def __init__(self, package: str):
         super().__init__()
         self.real = WeakIdKeyDictionary()  # fake tensor -> its real value
-        self.roots = WeakIdKeyDictionary()  # fake tensor -> the forward arguments it derives from
+        self.storage_roots: dict[StorageWeakRef, set[str]] = {}  # storage -> forward arguments its values derive from
         self.reads: list[ValueRead] = []
         self.package = package  # the model's top-level package, for source lines
 
     def shadow(self, fake: torch.Tensor, real: torch.Tensor, name: str) -> None:
         self.real[fake] = real
-        self.roots[fake] = (name,)
+        self._add_roots(fake, {name})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,14 +133,14 @@ class ValueShadow(TorchFunctionMode):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shadowed = [t for t in tensors if t in self.real]
         written = _written(short, args, kwargs)
-        if not shadowed or short in _RANDOM:
+        followed = bool(shadowed) and len(shadowed) == len(tensors) and short not in _UNSHADOWED
+        if written is not None and self._roots(written) and not (followed and written in self.real):
+            raise TraceError(f"{name} writes in place into a tensor computed from "
+                             f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads, what the "
+                             f"trace cannot compute alongside ({self._where()})")
+        if not followed:  # not computed from the specialised inputs alone: the graph's value only
             return func(*args, **kwargs)
-        if len(shadowed) < len(tensors):  # the result is not computed from the specialised inputs alone
-            if written is not None and written in self.real:
-                raise TraceError(f"{name} writes a value computed from other inputs into a tensor computed from "
-                                 f"{', '.join(self.roots[written])}, whose values the trace reads ({self._where()})")
-            return func(*args, **kwargs)
-        roots = tuple(sorted({root for t in shadowed for root in self.roots[t]}))
+        roots = set().union(*(self._roots(t) for t in shadowed))
         if short in _METADATA:
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor):  # a view or a conversion: shadowed as any op
@@ -134,10 +148,10 @@ class ValueShadow(TorchFunctionMode):
             return result
         real = self._real(func, args, kwargs)
         if written is None and not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(real)):
-            self.reads.append(ValueRead(name, roots, self._where()))
+            self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
             return real  # Python reads a number, a list or a bool: the real one
         if written is None and self._sized_by_values(func, args, kwargs, real):
-            self.reads.append(ValueRead(name, roots, self._where()))
+            self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
             made = pytree.tree_map_only(torch.Tensor, lambda value: _constant(value, tensors[0].device), real)
             self._register(made, real, roots)
             return made
@@ -145,15 +159,30 @@ class ValueShadow(TorchFunctionMode):
         self._register(result, real, roots)
         return result
 
+    def _roots(self, tensor: torch.Tensor) -> set[str]:
+        reference = _storage(tensor)
+        if reference is None or reference not in self.storage_roots:
+            return set()
+        if reference.expired():  # (a freed storage whose address a new one took)
+            del self.storage_roots[reference]
+            return set()
+        return self.storage_roots[reference]
+
+    def _add_roots(self, tensor: torch.Tensor, roots: set[str]) -> None:
+        reference = _storage(tensor)
+        if reference is not None:
+            self.storage_roots[reference] = self._roots(tensor) | roots
+
     def _real(self, func, args, kwargs):
         with _disable_current_modes(), torch._C.DisableTorchFunction():
             real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t], (args, kwargs))
             return func(*real_args, **real_kwargs)
 
-    def _register(self, fake, real, roots) -> None:
+    def _register(self, fake, real, roots: set[str]) -> None:
         for f, r in zip(pytree.tree_leaves(fake), pytree.tree_leaves(real)):
             if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor):
-                self.real[f], self.roots[f] = r, roots
+                self.real[f] = r
+                self._add_roots(f, roots)
 
     def _sized_by_values(self, func, args, kwargs, real) -> bool:
         """Whether the op's output shape depends on its inputs' values: its meta kernel cannot compute it (as for

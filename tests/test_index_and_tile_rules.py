@@ -124,3 +124,25 @@ def test_an_autocast_region_that_casts_stays_whole():
 
     traced = trace(Bfloat16Matmul(), ((torch.randn(4, 8),), {}))
     assert any("autocast" in str(n.target) for n in traced.graph_module.graph.nodes)
+
+
+def test_autocast_on_the_meta_device_is_traced_when_it_casts_nothing_anywhere():
+    """A model on the meta device asking for autocast on its own device (Mochi: ``torch.autocast(x.device.type,
+    torch.float32)``): a float32 region over float32 values casts nothing on any device and is inlined; another
+    dtype would cast as the device it runs on decides, which a meta trace cannot know: refused."""
+    from partitioner.errors import TraceError
+    from partitioner.trace import trace
+
+    class OwnDeviceAutocast(torch.nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.frequencies, self.dtype = torch.nn.Parameter(torch.randn(3, 4, 8)), dtype
+
+        def forward(self, positions):
+            with torch.autocast(positions.device.type, self.dtype):
+                return torch.einsum("nd,dhf->nhf", positions, self.frequencies).cos()
+
+    traced = trace(OwnDeviceAutocast(torch.float32).to("meta"), ((torch.randn(16, 3),), {}))
+    assert not any("autocast" in str(n.target) for n in traced.graph_module.graph.nodes)
+    with pytest.raises(TraceError, match="autocast region to torch.bfloat16 traced on the meta device"):
+        trace(OwnDeviceAutocast(torch.bfloat16).to("meta"), ((torch.randn(16, 3),), {}))

@@ -233,8 +233,39 @@ def test_a_value_written_from_other_inputs_into_a_read_tensor_is_refused():
             m[:, 0] = x[:, 0] > 0  # the shadow cannot follow: x has no value in the trace
             return x * int(m.sum())
 
-    with pytest.raises(TraceError, match="writes a value computed from other inputs into a tensor computed from mask"):
+    with pytest.raises(TraceError, match="writes in place into a tensor computed from mask, whose values the trace"):
         _trace(MixedWrite(), torch.randn(2, 4), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]))
+
+
+def test_writes_through_another_view_or_by_a_random_fill_are_refused():
+    """Roots are kept per storage: a view made with an unshadowed argument (``view_as``) still writes the read
+    tensor's storage, and a random fill cannot be computed alongside."""
+    class WritesThroughViewAs(torch.nn.Module):
+        def forward(self, x, mask):
+            m = mask.clone()
+            m.view_as(x).add_(1)
+            return x[: int(m.sum())]
+
+    class RandomFill(torch.nn.Module):
+        def forward(self, x, mask):
+            m = mask.clone().float()
+            m.bernoulli_(1.0)
+            return x[: int(m.sum())]
+
+    x, mask = torch.arange(8.0), torch.tensor([1, 1, 1, 0, 0, 0, 0, 0])
+    for model in (WritesThroughViewAs(), RandomFill()):
+        with pytest.raises(TraceError, match="writes in place into a tensor computed from mask"):
+            _trace(model, x, mask)
+
+
+def test_the_same_tensor_given_for_two_arguments_pins_both():
+    class ReadsTheProduct(torch.nn.Module):
+        def forward(self, x, mask, other):
+            return x[: int((mask * other).sum())]
+
+    mask = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0])
+    traced = _trace(ReadsTheProduct(), torch.arange(8.0), mask, mask)
+    assert sorted(traced.values) == [1, 2]
 
 
 def test_an_input_written_through_a_view_is_refused():

@@ -36,8 +36,9 @@ def index_tensor(node: Node, placements, axis_size: int) -> Decision:
     sharded = {n: placements[n] for n in node.all_input_nodes if is_sharded(placements.get(n, R))}
     if not sharded:
         return Decision(R, {n: R for n in node.all_input_nodes})
-    if len(picked) != 1 or len(shape_of(picked[0][1])) != 1:
-        raise Unshardable("advanced indexing with several or multi-dim index tensors")
+    if len(picked) != 1 or len(shape_of(picked[0][1])) != 1 or \
+            picked[0][1].meta["val"].dtype in (torch.bool, torch.uint8):
+        raise Unshardable("advanced indexing with several, multi-dim or boolean index tensors")
     (dim, index), placement = picked[0], sharded.get(source)
     if index in sharded:
         if placement is not None or type(sharded[index]) is not Shard:

@@ -331,11 +331,11 @@ def pad(node: Node, placements, axis_size: int) -> Decision:
     if mode != "constant" or isinstance(placement, InnerShard) or min(before, after) < 0 or before and after:
         raise Unshardable(f"pad along the sharded dim {placement.dim} (at both ends, cropping or not constant)")
     blocks = placement.blocks if isinstance(placement, PackedShard) else (shape_of(source)[placement.dim],)
-    blocks = (before, *blocks) if before else (*blocks, after)
-    if any(block % axis_size for block in blocks):
+    blocks, unit = (before, *blocks) if before else (*blocks, after), unit_of(placement)
+    if any(block % (unit * axis_size) for block in blocks):  # (then every rank holds the same share of each)
         raise Unshardable(f"pad along the sharded dim {placement.dim}: blocks {list(blocks)} do not split evenly "
-                          f"over {axis_size}")
-    return Decision(packed_shard(placement.dim, blocks, 1, axis_size), decision.inputs)
+                          f"over {axis_size} in units of {unit}")
+    return Decision(packed_shard(placement.dim, blocks, unit, axis_size), decision.inputs)
 
 
 @register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
