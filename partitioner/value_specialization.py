@@ -136,8 +136,8 @@ class ValueShadow(TorchFunctionMode):
         followed = bool(shadowed) and len(shadowed) == len(tensors) and short not in _UNSHADOWED
         if written is not None and self._roots(written) and not (followed and written in self.real):
             raise TraceError(f"{name} writes in place into a tensor computed from "
-                             f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads, what the "
-                             f"trace cannot compute alongside ({self._where()})")
+                             f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads; the trace "
+                             f"cannot compute that write beside the graph ({self._where()})")
         if not followed:  # not computed from the specialised inputs alone: the graph's value only
             return func(*args, **kwargs)
         roots = set().union(*(self._roots(t) for t in shadowed))
