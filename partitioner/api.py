@@ -77,15 +77,14 @@ class Partitioned:
                              "partition() from a module); partition again for other shapes")
         plan = Plan.of(self)
 
-        def planned(values: bool) -> Partitioned:
-            traced = trace(self.skeleton, example_inputs, specialize_values=values)
+        def partition_with(traced: Traced) -> Partitioned:
             try:
                 return partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
                                         buckets=self.ctx.buckets, overlap=self.ctx.overlap)
             except DataDependentNumber:
                 raise
             except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
-                traced = trace(self.skeleton, example_inputs, specialize_values=values)
+                traced = trace(self.skeleton, example_inputs, specialize_values=traced.values_specialized)
                 new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap,
                                        plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
@@ -93,13 +92,9 @@ class Partitioned:
                 return new
 
         def build() -> Partitioned:
-            values = self.traced.values_specialized  # traced for its inputs' values: so is every specialisation
-            try:
-                new = planned(values)
-            except DataDependentNumber:  # as partition() does: the host prologue cannot take a size
-                if values:
-                    raise
-                new = planned(True)
+            # traced for its inputs' values: so is every specialisation
+            new = trace_and_partition(self.skeleton, example_inputs, partition_with,
+                                      specialize_values=self.traced.values_specialized)
             if new.slice_specs != self.slice_specs:
                 raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
                                      "the traced ones; partition again for them")
@@ -349,11 +344,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     return partitioned
 
 
-def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with) -> Partitioned:
+def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, *,
+                        specialize_values: bool = False) -> Partitioned:
     """``partition_with(trace(model, example_inputs))``; when the host prologue cannot take a data-dependent size
     (it sizes device ops), the model is traced again specialised on its integer and boolean inputs' values
-    (``value_specialization``), if it has any."""
-    traced = trace(model, example_inputs)
+    (``value_specialization``), if it has any and the first trace was not."""
+    traced = trace(model, example_inputs, specialize_values=specialize_values)
     try:
         return partition_with(traced)
     except DataDependentNumber:

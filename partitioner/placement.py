@@ -114,6 +114,12 @@ def shard_slices(placement, size: int, num: int, index: int) -> list[tuple[int, 
     return ranges
 
 
+def delivery_order(placement, size: int, num: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of a dim of ``size`` in the order a gather or a packed exchange over ``num``
+    ranks delivers them: rank by rank, each rank's ranges (its part of every block of a packed shard) in turn."""
+    return [piece for index in range(num) for piece in shard_slices(placement, size, num, index)]
+
+
 def shard_widths(placement, size: int, num: int) -> list[int]:
     """How many elements of a dim of ``size`` each of ``num`` ranks holds."""
     return [sum(end - start for start, end in shard_slices(placement, size, num, index)) for index in range(num)]

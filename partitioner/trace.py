@@ -20,7 +20,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from .errors import TraceError
-from .value_specialization import ValueRead, ValueShadow, forward_replaced, shadowing_forward, specializable
+from .value_specialization import (ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward,
+                                   specializable)
 
 
 
@@ -338,14 +339,8 @@ def _model_frame(error: BaseException, model: torch.nn.Module) -> str:
     any file outside torch: where the model's code did what export refused."""
     import traceback
 
-    package = type(model).__module__.split(".")[0]
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f"/{package}/" in f.filename] or \
-        [f for f in frames if "/torch/" not in f.filename and "/partitioner/" not in f.filename]
-    if not ours:
-        return "code (no frame outside torch recorded)"
-    frame = ours[-1]
-    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return model_line(frames, type(model).__module__.split(".")[0]) or "code (no frame outside torch recorded)"
 
 
 def source_line(node: torch.fx.Node) -> str:

@@ -89,6 +89,17 @@ def specializable(value) -> bool:
             and not value.is_complex())
 
 
+def model_line(frames: list[traceback.FrameSummary], package: str) -> str | None:
+    """The innermost of ``frames`` in the model's own package (diffusers' file and line), or else in any file
+    outside torch and partitioner, as ``file:line in function: code``; None when there is none."""
+    ours = [f for f in frames if f"/{package}/" in f.filename] or \
+        [f for f in frames if "/torch/" not in f.filename and "/partitioner/" not in f.filename]
+    if not ours:
+        return None
+    frame = ours[-1]
+    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
 def _op_name(func) -> str:
     """``Tensor.tolist`` for a tensor method or property, ``torch.nonzero`` for a function."""
     name = getattr(func, "__name__", repr(func))
@@ -199,13 +210,7 @@ class ValueShadow(TorchFunctionMode):
         return shapes(meta) != shapes(real)
 
     def _where(self) -> str:
-        frames = traceback.extract_stack()[:-2]
-        ours = [f for f in frames if f"/{self.package}/" in f.filename] or \
-            [f for f in frames if "/torch/" not in f.filename and "/partitioner/" not in f.filename]
-        if not ours:
-            return "no source line recorded"
-        frame = ours[-1]
-        return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+        return model_line(traceback.extract_stack()[:-2], self.package) or "no source line recorded"
 
 
 def shadowing_forward(model: torch.nn.Module, shadow: ValueShadow, real: dict[str, torch.Tensor], name_of):

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
 from .errors import VerificationError
-from .placement import Partial, is_sharded, shorthand, slice_local, split_order
+from .placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
 from .runtime import place_graph_on
 from .trace import source_line
 
@@ -78,13 +78,8 @@ def _as_delivered(node: Node, value, mesh):
     if order is None or not isinstance(value, torch.Tensor):
         return value
     axis, blocks = order
-    ranks, pieces = mesh.size(axis), []
-    for rank in range(ranks):
-        offset = 0
-        for block in blocks:
-            pieces.append(value.narrow(2, offset + rank * (block // ranks), block // ranks))
-            offset += block
-    return torch.cat(pieces, 2)
+    ranges = delivery_order(PackedShard(2, blocks), value.shape[2], mesh.size(axis))
+    return torch.cat([value.narrow(2, start, end - start) for start, end in ranges], 2)
 
 
 def _error(local, expected) -> tuple[float, float]:

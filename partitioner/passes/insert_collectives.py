@@ -27,8 +27,8 @@ from torch.fx import GraphModule, Node
 from ..context import PassContext
 from ..errors import InvariantError
 from .. import collectives
-from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, is_sharded, local_shape, shard_slices,
-                         shard_widths)
+from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, delivery_order, is_sharded, local_shape,
+                         shard_slices, shard_widths)
 from ..rules import PartitionError
 from ..mesh import SEQUENCE_AXES
 from ..rules.attention import RING_AXES
@@ -146,12 +146,11 @@ def _in_sequence_order(gathered: Node, like: Node, placement: PackedShard, size:
                        ctx: PassContext) -> Node:
     """The rows of a gathered packed value, which arrive rank by rank (each rank's part of every block in turn),
     put back in the value's order along ``placement.dim``: static slices and one cat, no communication."""
-    ranks, dim, graph = ctx.mesh.size(axis), placement.dim, gathered.graph
+    dim, graph = placement.dim, gathered.graph
     pieces, position = [], 0  # (start in the value, start in the gathered rows, length)
-    for rank in range(ranks):
-        for start, end in shard_slices(placement, size, ranks, rank):
-            pieces.append((start, position, end - start))
-            position += end - start
+    for start, end in delivery_order(placement, size, ctx.mesh.size(axis)):
+        pieces.append((start, position, end - start))
+        position += end - start
     sliced, anchor, val = [], gathered, like.meta["val"]
     for _, at, length in sorted(pieces):
         if length == 0:
@@ -307,15 +306,10 @@ def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int
     every block in turn."""
     pieces, val = [], mask.meta["val"]
     with graph.inserting_before(attention):
-        for rank in range(ranks):
-            offset = 0
-            for block in blocks:
-                step = block // ranks
-                piece = graph.call_function(aten.slice.Tensor, (mask, dim, offset + rank * step,
-                                                                offset + (rank + 1) * step))
-                _like(piece, mask, val.narrow(dim, offset + rank * step, step))
-                pieces.append(piece)
-                offset += block
+        for start, end in delivery_order(PackedShard(dim, blocks), sum(blocks), ranks):
+            piece = graph.call_function(aten.slice.Tensor, (mask, dim, start, end))
+            _like(piece, mask, val.narrow(dim, start, end - start))
+            pieces.append(piece)
         joined = graph.call_function(aten.cat.default, (pieces, dim))
     with val.fake_mode:
         _like(joined, mask, torch.cat([p.meta["val"] for p in pieces], dim))

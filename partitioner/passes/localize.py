@@ -88,11 +88,10 @@ def _localize_sizes(node: Node, mesh) -> None:
             node.kwargs = {**node.kwargs, "groups": groups}
     elif node.target in (aten.pad.default, aten.constant_pad_nd.default):  # a rank pads its part of the new rows
         widths, ndim = list(node.args[1]), len(node.args[0].meta["global_shape"])
-        grown = [d for d, (out, source) in enumerate(zip(_expected_local(node, mesh), _expected_local(node.args[0], mesh)))
-                 if out - source != sum(widths[2 * (ndim - 1 - d):2 * (ndim - 1 - d) + 2])]
-        for d in grown:
-            side = 2 * (ndim - 1 - d) + (0 if widths[2 * (ndim - 1 - d)] else 1)
-            widths[side] = _expected_local(node, mesh)[d] - _expected_local(node.args[0], mesh)[d]
+        for d, (out, source) in enumerate(zip(_expected_local(node, mesh), _expected_local(node.args[0], mesh))):
+            before = 2 * (ndim - 1 - d)  # (pad's widths run from the last dim: before, after)
+            if before + 1 < len(widths) and out - source != widths[before] + widths[before + 1]:
+                widths[before if widths[before] else before + 1] = out - source
         node.args = (node.args[0], widths, *node.args[2:])
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
