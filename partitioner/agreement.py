@@ -249,7 +249,9 @@ def describe_collective(node: torch.fx.Node) -> str:
     if "collective" in node.meta:
         kind, axis = node.meta["collective"]
         return f"the {kind} {node.name} over mesh dim {axis!r}"
-    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+    from .collectives import WAITS
+
+    if node.target in WAITS:
         source = node.args[0]
         if "collective" in source.meta:
             return describe_collective(source)

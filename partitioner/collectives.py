@@ -16,14 +16,24 @@ functional = torch.ops._c10d_functional
 
 def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
     """Concatenate every rank's shard of ``x`` along ``dim``; rank i holds ``sizes[i]`` rows of it."""
+    return all_gather_wait(all_gather_start(x, dim, sizes, group_name), dim, sizes)
+
+
+def all_gather_start(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
+    """Issue ``all_gather``: the gathered buffer, in flight until ``all_gather_wait`` (every rank's rows at the
+    front, each piece padded to the largest: all_gather_into_tensor needs equal pieces)."""
     largest = max(sizes)
     front = x.movedim(dim, 0)
-    if front.shape[0] < largest:  # all_gather_into_tensor needs equal pieces: pad, then drop the padding
+    if front.shape[0] < largest:
         front = torch.cat([front, front.new_zeros((largest - front.shape[0], *front.shape[1:]))])
-    gathered = functional.wait_tensor(
-        functional.all_gather_into_tensor(front.contiguous(), len(sizes), group_name))
+    return functional.all_gather_into_tensor(front.contiguous(), len(sizes), group_name)
+
+
+def all_gather_wait(issued: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """Wait for an issued ``all_gather`` and drop the padding."""
+    gathered = functional.wait_tensor(issued)
     if len(set(sizes)) > 1:
-        gathered = torch.cat([piece[:size] for piece, size in zip(gathered.split(largest), sizes)])
+        gathered = torch.cat([piece[:size] for piece, size in zip(gathered.split(max(sizes)), sizes)])
     return gathered.movedim(0, dim)
 
 
@@ -31,13 +41,27 @@ def reduce_scatter(x: torch.Tensor, dim: int, sizes: list[int], index: int, grou
     """Sum ``x`` over the ranks and keep this rank's (``index`` in its group) rows of ``dim``: rank i gets
     ``sizes[i]`` of them (uneven pieces are padded to the largest, then trimmed). What an all_reduce followed by
     a slice gives, for half the bytes."""
+    return reduce_scatter_wait(reduce_scatter_start(x, dim, sizes, group_name), dim, sizes[index])
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
+    """Issue ``reduce_scatter``: this rank's summed rows (padded to the largest piece), in flight until
+    ``reduce_scatter_wait``."""
     largest = max(sizes)
     pieces = x.movedim(dim, 0).split(sizes)
     padded = [piece if piece.shape[0] == largest else
               torch.cat([piece, piece.new_zeros((largest - piece.shape[0], *piece.shape[1:]))]) for piece in pieces]
-    mine = functional.wait_tensor(functional.reduce_scatter_tensor(
-        torch.cat(padded).contiguous(), "sum", len(sizes), group_name))
-    return mine[:sizes[index]].movedim(0, dim)
+    return functional.reduce_scatter_tensor(torch.cat(padded).contiguous(), "sum", len(sizes), group_name)
+
+
+def reduce_scatter_wait(issued: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Wait for an issued ``reduce_scatter`` and keep this rank's ``size`` rows."""
+    return functional.wait_tensor(issued)[:size].movedim(0, dim)
+
+
+# What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
+# buffer the collective filled, but for an uneven all_gather's trimmed rows
+WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],

@@ -134,9 +134,10 @@ def matmul_flops(node) -> float:
 
 def _only_moves_data(node) -> bool:
     """A collective that computes nothing (sharded norms and ring attention compute as well as communicate)."""
-    from .collectives import all_gather, all_to_all, reduce_scatter
+    from . import collectives as c
 
-    return node.target in (all_gather, all_to_all, reduce_scatter) or "_c10d_functional" in str(node.target)
+    return node.target in (c.all_gather, c.all_gather_start, c.all_gather_wait, c.all_to_all, c.reduce_scatter,
+                           c.reduce_scatter_start, c.reduce_scatter_wait) or "_c10d_functional" in str(node.target)
 
 
 def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:
@@ -191,10 +192,9 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
     collective at a time), a synchronous one is waited on at once and an asynchronous one (a functional collective
     with its own wait) only at its wait, so the compute scheduled between them covers it (the profile's
     ``overlap`` share of it: the rest of that time the two contend)."""
-    from .collectives import ring_attention
+    from .collectives import WAITS, ring_attention
     from .report import collective_calls
 
-    wait = torch.ops._c10d_functional.wait_tensor.default
     compute = flops = moved = comm = 0.0
     clock = link_free = 0.0
     flights = {}  # issued asynchronous collective -> (when it starts, when it arrives, compute done at its issue)
@@ -203,7 +203,7 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
     for node in gm.graph.nodes:
         seconds, node_flops, node_bytes = node_compute_s(node, profile)
         compute, flops, moved = compute + seconds, flops + node_flops, moved + node_bytes
-        if node.target is wait and node.args[0] in flights:
+        if node.target in WAITS and node.args[0] in flights:
             start, end, computed = flights.pop(node.args[0])
             overlapped = min(compute - seconds - computed, end - start)  # compute that ran while it was in flight
             clock = max(clock, end) + (1 - profile.overlap) * max(0.0, overlapped)
@@ -220,7 +220,7 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
         if node.target is ring_attention:  # each pass hides behind one block's attention
             clock = start + seconds + calls * max(0.0, one - seconds / len(node.args[4]))
             link_free = clock
-        elif any(user.target is wait for user in node.users):
+        elif any(user.target in WAITS for user in node.users):
             link_free = start + one * calls
             flights[node] = (start, link_free, compute)
         else:

@@ -122,7 +122,9 @@ def aliases(node) -> bool:
     source = node.args[0] if node.args else None
     if node.op != "call_function" or not isinstance(source, torch.fx.Node):
         return False
-    if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default):
+    from .collectives import WAITS
+
+    if node.target is operator.getitem or node.target in WAITS:
         return True
     if node.target in _COPY_WHEN_NEEDED:
         before, after = source.meta.get("val"), node.meta.get("val")
@@ -147,7 +149,8 @@ def _workspace(node) -> int:
     reduce_scatter's padded input, a halo convolution's input with its borrowed rows, a ring attention's key/value blocks in flight (the one it sends on and the one
     arriving), its float32 partial results (the running output and this block's, merged in place) and, off CPU,
     each block's scores."""
-    from .collectives import QUERY_CHUNK, all_gather, all_to_all, halo_convolution, reduce_scatter, ring_attention
+    from .collectives import (QUERY_CHUNK, all_gather, all_gather_start, all_to_all, halo_convolution,
+                              reduce_scatter, reduce_scatter_start, ring_attention)
 
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
@@ -155,7 +158,8 @@ def _workspace(node) -> int:
         return 2 * nbytes(node.meta["val"])
     if node.target is all_gather:
         return nbytes(node.meta["val"])
-    if node.target is reduce_scatter:  # the padded pieces it sends
+    # (an issued collective's buffer is its node's value, live until its wait)
+    if node.target in (reduce_scatter, reduce_scatter_start, all_gather_start):  # the padded pieces it sends
         return nbytes(node.args[0].meta["val"])
     if node.target is halo_convolution:  # its input with the neighbours' rows around it
         return nbytes(node.args[0].meta["val"])
@@ -203,13 +207,14 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 def collective_calls(node) -> tuple[int, int]:
     """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
     collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
-    from .collectives import halo_convolution, reduce_scatter, ring_attention, sharded_layer_norm, sharded_rms_norm
+    from .collectives import (halo_convolution, reduce_scatter, reduce_scatter_start, ring_attention,
+                              sharded_layer_norm, sharded_rms_norm)
 
     val = node.meta["val"]
     if node.target is halo_convolution:  # the rows borrowed from (and lent to) each neighbour
         x, dim, width = node.args[0].meta["val"], node.args[7], node.args[8]
         return 2 * width * x.numel() // x.shape[dim] * x.element_size(), 1
-    if node.target is reduce_scatter:  # sized by what it sums, as an all_reduce of the same value
+    if node.target in (reduce_scatter, reduce_scatter_start):  # sized by what it sums, as an all_reduce of it
         val = node.args[0].meta["val"]
     if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block
         k, v = node.args[1].meta["val"], node.args[2].meta["val"]

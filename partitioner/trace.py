@@ -221,6 +221,83 @@ def _inline_constant_arguments(gm: torch.fx.GraphModule, inputs: list[GraphInput
     return kept
 
 
+def slice_constant_runs(gm: torch.fx.GraphModule, inputs: list[GraphInput], state: dict) -> list[GraphInput]:
+    """Rows picked by a constant index that is one ascending run (``x[:, :, idx]`` with ``idx`` = 0..5: Mochi's
+    valid prompt rows, once value specialisation has folded ``nonzero(mask)``) are a slice: the same values, and a
+    slice is what the sharding rules can carry over the whole blocks of a packed sequence. The index is computed
+    from constants alone (``nonzero(...).flatten()``); what only it read, and constants left unread, are dropped."""
+    aten = torch.ops.aten
+    placeholders = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs))
+    values: dict = {}
+
+    def value_of(node):
+        """The value of a node computed from constants alone (deterministic ops), else None."""
+        if not isinstance(node, torch.fx.Node):
+            return node
+        if node not in values:
+            values[node] = None
+            graph_input = placeholders.get(node)
+            if graph_input is not None:
+                value = state.get(graph_input.target) if graph_input.kind == "constant" else None
+                values[node] = value if value is not None and not value.is_meta else None
+            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+                    node.all_input_nodes and torch.Tag.nondeterministic_seeded not in node.target.tags:
+                args = [value_of(n) for n in node.all_input_nodes]
+                if all(a is not None for a in args):
+                    known = dict(zip(node.all_input_nodes, args))
+                    get = lambda n: known[n]  # noqa: E731
+                    kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in node.kwargs.items()}
+                    value = node.target(*torch.fx.node.map_arg(node.args, get), **torch.fx.node.map_arg(kwargs, get))
+                    # (computed on the CPU: a constant moved to the model's meta device keeps its values here)
+                    values[node] = None if isinstance(value, torch.Tensor) and value.is_meta else value
+        return values[node]
+
+    def run_of(index) -> tuple[int, int] | None:
+        value = value_of(index)
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or not len(value) or \
+                value.is_floating_point() or value.dtype is torch.bool or int(value[0]) < 0:
+            return None
+        start = int(value[0])
+        run = torch.arange(start, start + len(value), dtype=value.dtype)
+        return (start, start + len(value)) if torch.equal(value.cpu(), run) else None
+
+    for node in list(gm.graph.nodes):
+        if node.target is aten.index.Tensor:
+            picked = [(dim, index) for dim, index in enumerate(node.args[1]) if index is not None]
+            where = picked[0] if len(picked) == 1 else None
+        elif node.target is aten.index_select.default:
+            where = node.args[1] % node.args[0].meta["val"].dim(), node.args[2]
+        else:
+            continue
+        bounds = run_of(where[1]) if where is not None else None
+        if bounds is None or bounds[1] > node.args[0].meta["val"].shape[where[0]]:
+            continue
+        with gm.graph.inserting_before(node):
+            sliced = gm.graph.call_function(aten.slice.Tensor, (node.args[0], where[0], *bounds))
+        sliced.meta = dict(node.meta)
+        node.replace_all_uses_with(sliced)
+        gm.graph.erase_node(node)
+        _erase_unread(gm, where[1])
+    kept = []
+    for node, graph_input in placeholders.items():
+        if graph_input.kind == "constant" and not node.users:
+            gm.graph.erase_node(node)
+        else:
+            kept.append(graph_input)
+    gm.recompile()
+    return kept
+
+
+def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then what only it read (placeholders are kept)."""
+    if node.op == "placeholder" or node.users:
+        return
+    sources = node.all_input_nodes
+    gm.graph.erase_node(node)
+    for source in sources:
+        _erase_unread(gm, source)
+
+
 def _inputs_on_meta_for_meta_model(model: torch.nn.Module, named: dict) -> dict:
     """A model built on the meta device (to be filled by ``load_weights``) traced with real example inputs, as a
     pipeline hands them over: the trace needs only their shapes and dtypes, so they go to the meta device too."""
@@ -325,6 +402,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     inline_plain_autocast(gm, owner, on_meta=any(p.is_meta for p in model.parameters()))
     clean_export_graph(gm)
     inputs = _inline_constant_arguments(gm, inputs, constant_args)
+    inputs = slice_constant_runs(gm, inputs, state)
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds,

@@ -43,7 +43,7 @@ def _sums(partitioned) -> list:
     """The nodes that sum partial results over tp: all_reduces, and reduce-scatters where plan_tp_sequence shards
     the rows between the tp regions (on trn2, this fixture's profile, it pays for full-size H3)."""
     return [n for n in partitioned.graph_module.graph.nodes
-            if n.target in (functional.all_reduce.default, collectives.reduce_scatter)]
+            if n.target in (functional.all_reduce.default, collectives.reduce_scatter_start)]
 
 
 def test_all_reduces_per_block(full_h3):
@@ -66,7 +66,7 @@ def test_all_reduces_per_block(full_h3):
     report = partitioned.report()
     assert report.count("all_reduce") + report.count("reduce_scatter") == 3 * 50 + 2 * 2 + 4
     scattered = Counter(re.sub(r"^transformer_blocks\.\d+\.", "", _module_of(n)) for n in _sums(partitioned)
-                        if n.target is collectives.reduce_scatter and _module_of(n).startswith("transformer_blocks."))
+                        if n.target is collectives.reduce_scatter_start and _module_of(n).startswith("transformer_blocks."))
     assert scattered == {"attn.to_out.0": 50, "ff.net.2": 50}, partitioned.ctx.tp_sequence
     group = mesh.get_group("tp").group_name
     assert all(n.args[-1] == group for n in _sums(partitioned))

@@ -146,3 +146,58 @@ def test_autocast_on_the_meta_device_is_traced_when_it_casts_nothing_anywhere():
     assert not any("autocast" in str(n.target) for n in traced.graph_module.graph.nodes)
     with pytest.raises(TraceError, match="autocast region to torch.bfloat16 traced on the meta device"):
         trace(OwnDeviceAutocast(torch.bfloat16).to("meta"), ((torch.randn(16, 3),), {}))
+
+
+def test_rows_written_into_a_whole_buffer_along_the_split_dim_make_it_packed():
+    """``joint[:, :6] = text; joint[:, 6:] = image`` (a joint sequence assembled in place, as Lumina2 does): the
+    buffer is laid out in blocks around the written rows, each rank writing its part of them."""
+    from partitioner.placement import PackedShard
+
+    node, (buffer, rows) = _node(lambda b, r: aten.slice_scatter(b, r, 1, 6, 22), torch.zeros(1, 22, 4),
+                                 torch.randn(1, 16, 4), target=aten.slice_scatter.default)
+    decision = _decide(node, {rows: Shard(1)})
+    assert decision.output == PackedShard(1, (6, 16)) and decision.inputs[buffer] == PackedShard(1, (6, 16))
+    # the other block written into the packed buffer keeps its layout
+    node, (buffer, rows) = _node(lambda b, r: aten.slice_scatter(b, r, 1, 0, 6), torch.zeros(1, 22, 4),
+                                 torch.randn(1, 6, 4), target=aten.slice_scatter.default)
+    assert _decide(node, {buffer: PackedShard(1, (6, 16)), rows: Shard(1)}).output == PackedShard(1, (6, 16))
+    with pytest.raises(Unshardable):  # written rows that cut a block of the layout
+        _decide(node, {buffer: PackedShard(1, (10, 12)), rows: Shard(1)})
+    node, (buffer, rows) = _node(lambda b, r: aten.slice_scatter(b, r, 1, 5, 21), torch.zeros(1, 22, 4),
+                                 torch.randn(1, 16, 4), target=aten.slice_scatter.default)
+    with pytest.raises(Unshardable):  # blocks of 5 and 1 rows cannot split evenly over 2 ranks
+        _decide(node, {rows: Shard(1)})
+    node, (batch, joint) = _node(lambda b, j: aten.select_scatter(b, j, 0, 0), torch.zeros(1, 22, 4),
+                                 torch.randn(22, 4), target=aten.select_scatter.default)
+    decision = _decide(node, {joint: PackedShard(0, (6, 16))})  # (the batch row it is written into)
+    assert decision.output == PackedShard(1, (6, 16)) and decision.inputs[batch] == PackedShard(1, (6, 16))
+
+
+def test_a_constant_index_that_is_one_ascending_run_is_traced_as_a_slice():
+    """Rows picked by a constant index (what value specialisation folds Mochi's ``nonzero(mask)`` to, a [rows, 1]
+    table then flattened): a slice when the rows are one run, so the rules carry it over whole blocks of a packed
+    sequence; any other index stays an index."""
+    from partitioner.trace import trace
+
+    class PicksRows(torch.nn.Module):
+        def forward(self, x):
+            run = torch.tensor([[1], [2], [3]]).flatten()
+            scattered = torch.tensor([0, 2, 3])
+            return x[:, run] * 2, x[:, scattered]
+
+    x = torch.randn(2, 6, 3)
+    traced = trace(PicksRows(), ((x,), {}))
+    targets = [n.target for n in traced.graph_module.graph.nodes]
+    assert targets.count(aten.slice.Tensor) == 1 and targets.count(aten.index.Tensor) == 1
+    assert sum(gi.kind == "constant" for gi in traced.inputs) == 1  # the run's constant is no longer read
+    state = [traced.state[gi.target] for gi in traced.inputs if gi.kind == "constant"]
+    got = traced.graph_module(*state, x)
+    expected = PicksRows()(x)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+    class MovesItsIndex(torch.nn.Module):  # the constant moved to the input's (meta) device first
+        def forward(self, x):
+            return x[:, torch.tensor([[1], [2], [3]]).to(x.device).flatten()]
+
+    traced = trace(MovesItsIndex(), ((x.to("meta"),), {}))
+    assert [n.target for n in traced.graph_module.graph.nodes if n.op == "call_function"] == [aten.slice.Tensor]

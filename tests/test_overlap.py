@@ -192,3 +192,35 @@ def test_step_time_credits_the_schedule(slow_links):
     assert step_time(plain.graph_module, mesh, full).exposed_comm_s == \
         pytest.approx(step_time(plain.graph_module, mesh, none).exposed_comm_s)
     assert step_time(overlapped.graph_module, mesh, full).step_s < step_time(plain.graph_module, mesh, full).step_s
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_an_issued_collective_waits_after_independent_compute(kind):
+    """Each collective the graphs issue in two nodes (issue, then wait) is scheduled alike: the wait gives way to
+    a matmul that does not need its result, while the collective's estimated time is not yet covered."""
+    from partitioner import collectives
+    from partitioner.passes.schedule_collectives import _order
+
+    aten, graph = torch.ops.aten, torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    issue, wait = {
+        "all_gather": (lambda: graph.call_function(collectives.all_gather_start, (x, 0, [4, 4], "tp")),
+                       lambda issued: graph.call_function(collectives.all_gather_wait, (issued, 0, [4, 4]))),
+        "reduce_scatter": (lambda: graph.call_function(collectives.reduce_scatter_start, (x, 0, [4, 4], "tp")),
+                           lambda issued: graph.call_function(collectives.reduce_scatter_wait, (issued, 0, 4))),
+        "all_reduce": (lambda: graph.call_function(functional.all_reduce.default, (x, "sum", "tp")),
+                       lambda issued: graph.call_function(functional.wait_tensor.default, (issued,))),
+    }[kind]
+    issued = issue()
+    issued.meta["collective"] = (kind, "tp")
+    done = wait(issued)
+    independent = graph.call_function(aten.mm.default, (w, w))
+    joined = graph.call_function(aten.add.Tensor, (done, independent))
+    graph.output(joined)
+    for node in graph.nodes:
+        node.meta["val"] = torch.empty(8, 8)
+    run = [issued, done, independent, joined]
+    order = _order(run, compute_s=lambda n: 1.0 if n is independent else 0.0, comm_s=lambda n: 1.0, limit=1e12)
+    assert order == [issued, independent, done, joined]
+    # nothing to cover (a free collective): the original order stays
+    assert _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 0.0, limit=1e12) == run

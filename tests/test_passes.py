@@ -263,7 +263,7 @@ def test_plan_few_rows_many_features_goes_rowwise():
 def test_plan_graph_output_stops_column_sharding():
     """A column shard reaching the graph output is dropped (module docstring), so the table goes row-wise."""
     p = part(AdaTable(), t_in())
-    assert not nodes(p.graph_module, collectives.all_gather)
+    assert not nodes(p.graph_module, collectives.all_gather_start)
     assert p.linear_styles == {"linear": "rowwise"}
 
 
@@ -298,7 +298,7 @@ def test_one_all_reduce_per_rowwise_linear():
     for reduce in reduces:
         assert reduce.args[0].target is aten.linear.default and reduce.args[1] == "sum"
         assert [u.target for u in reduce.users] == [c10d.wait_tensor.default]
-    assert not nodes(gm, collectives.all_gather)
+    assert not nodes(gm, collectives.all_gather_start)
 
 
 def test_rowwise_bias_added_once_after_reduction():
@@ -319,7 +319,7 @@ def test_forced_colwise_is_gathered_before_norm():
     gm = p.graph_module
     up = next(n for n in nodes(gm, aten.linear.default) if n.args[1].name == "p_up_weight")
     (norm,) = nodes(gm, aten.layer_norm.default)
-    assert any(up in ancestors(g) and g in ancestors(norm) for g in nodes(gm, collectives.all_gather))
+    assert any(up in ancestors(g) and g in ancestors(norm) for g in nodes(gm, collectives.all_gather_start))
     assert norm.args[0].meta["placements"]["tp"] == Replicate()
 
 
@@ -329,7 +329,7 @@ def test_replicated_input_consumed_as_shard_is_sliced_locally(rank):
     gm = part(AdaTable(normed=True), t_in(), rank=rank).graph_module
     (piece,) = nodes(gm, aten.slice.Tensor)
     assert piece.args[0].name == "t" and tuple(piece.args[1:]) == (1, 128 * rank, 128 * (rank + 1))
-    assert "collective" not in piece.meta and not nodes(gm, collectives.all_gather)
+    assert "collective" not in piece.meta and not nodes(gm, collectives.all_gather_start)
     assert len(nodes(gm, c10d.all_reduce.default)) == 1
 
 

@@ -45,9 +45,11 @@ def slow_messages(tmp_path_factory) -> str:
     return _profile(tmp_path_factory.mktemp("profile"), "slow-messages", latency_us=1000.0)
 
 
-def _unsummed(x, dim, sizes, index, group_name):
-    """A reduce_scatter that forgets to sum: this rank's rows of its own partial sum."""
-    return x.narrow(dim, sum(sizes[:index]), sizes[index])
+def _unsummed(x, dim, sizes, group_name):
+    """A reduce_scatter that forgets to sum: this rank's rows of its own partial sum, front dim first as the wait
+    takes them."""
+    index = torch.distributed.get_rank(torch.distributed.distributed_c10d._resolve_process_group(group_name))
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).movedim(dim, 0)
 
 
 def _kinds(partitioned) -> dict[str, int]:
@@ -77,7 +79,7 @@ def _case(rank: int, world: int, axes: tuple[str, ...], profile: str, backend: s
         if tp_sequence and backend == "eager":  # every value this rank computes, against the model's rows
             partitioned.verify(**inputs)
     broken = partitioner.partition(model, mesh, ((), inputs), overlap={"profile": profile})
-    scatter = next(n for n in broken.graph_module.graph.nodes if n.target is collectives.reduce_scatter
+    scatter = next(n for n in broken.graph_module.graph.nodes if n.target is collectives.reduce_scatter_start
                    and "transformer_blocks.0" in str(n.meta.get("nn_module_stack")))
     scatter.target = _unsummed
     broken.graph_module.recompile()
@@ -121,7 +123,7 @@ def test_norms_and_residuals_run_on_this_ranks_rows(free_links):
              and list(n.meta["nn_module_stack"].values())[-1][0] in BLOCK_NORMS]
     assert len(norms) == 2 and all(n.meta["placements"]["tp"] == Shard(1) for n in norms)
     nodes = list(partitioned.graph_module.graph.nodes)
-    gathers = [n for n in nodes if n.target is collectives.all_gather]
+    gathers = [n for n in nodes if n.target is collectives.all_gather_wait]
     q = next(n for n in nodes if n.target is torch.ops.aten.linear.default
              and "transformer_blocks.1.attn.to_q" in str(n.meta["nn_module_stack"]))
     k = next(n for n in nodes if n.target is torch.ops.aten.linear.default
@@ -161,7 +163,7 @@ def test_with_ulysses_tp_rows_nest_inside_its_shards(free_links):
     assert len(local) == 2 and all(n.meta["val"].shape[1] == 64 for n in local)
     q = next(n for n in partitioned.graph_module.graph.nodes if n.target is torch.ops.aten.linear.default
              and "transformer_blocks.1.attn.to_q" in str(n.meta["nn_module_stack"]))
-    assert q.args[0].target is collectives.all_gather and q.args[0].meta["val"].shape[1] == 128
+    assert q.args[0].target is collectives.all_gather_wait and q.args[0].meta["val"].shape[1] == 128
 
 
 def test_planning_only_meshes_keep_rows_whole(free_links):
@@ -184,7 +186,7 @@ def test_a_reduce_scatter_is_sized_by_what_it_sums(free_links):
         return next(n for n in partitioned.graph_module.graph.nodes if n.target is target
                     and "transformer_blocks.1.attn.to_out" in str(n.meta.get("nn_module_stack")))
 
-    scattered = output_projection_sum(_partition({"profile": free_links}), collectives.reduce_scatter)
+    scattered = output_projection_sum(_partition({"profile": free_links}), collectives.reduce_scatter_start)
     reduced = output_projection_sum(_partition({"profile": free_links, "tp_sequence": False}),
                                     torch.ops._c10d_functional.all_reduce.default)
     size = collective_calls(scattered)[0]

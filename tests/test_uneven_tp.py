@@ -161,7 +161,7 @@ def test_full_h3_tp16(full_h3_tp16):
             assert tuple(node.meta["val"].shape[1:2]) + tuple(node.meta["val"].shape[3:]) == (heads, 128)
         if node.target is aten.unflatten.int:
             assert tuple(node.meta["val"].shape[-2:]) == (heads, 128)
-    sums = (functional.all_reduce.default, collectives.reduce_scatter)  # (rows sharded over tp: reduce-scattered)
+    sums = (functional.all_reduce.default, collectives.reduce_scatter_start)  # (rows sharded over tp: reduce-scattered)
     per_module = Counter(list(n.meta["nn_module_stack"].values())[-1][0] for n in graph.nodes if n.target in sums)
     per_block = Counter(re.sub(r"^transformer_blocks\.\d+\.", "", m) for m in per_module
                         if m.startswith("transformer_blocks."))

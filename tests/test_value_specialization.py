@@ -173,6 +173,85 @@ def test_a_model_that_reads_its_mask_is_traced_for_the_mask_and_exact(pools, mod
         assert results[0]["collectives"].get("all_reduce:tp", 0) >= 2, results[0]
 
 
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        width = HEADS * HEAD_DIM
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class JointBuiltInPlace(torch.nn.Module):
+    """Text and image rows each refined by their own attention, then written into one buffer at the text's valid
+    length (``joint[:, :n] = text[:, :n]; joint[:, n:] = image``) for a joint attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.image, self.joint = _SelfAttention(), _SelfAttention(), _SelfAttention()
+
+    def forward(self, x, text, mask):
+        valid = int(mask.sum())
+        text, image = self.text(text), self.image(x)
+        joint = x.new_zeros(x.shape[0], valid + x.shape[1], x.shape[2])
+        joint[:, :valid] = text[:, :valid]
+        joint[:, valid:] = image
+        joint = self.joint(joint)
+        return joint[:, valid:], joint[:, :valid]
+
+
+class TwoMaskedJointBlocks(torch.nn.Module):
+    """The second block picks the valid rows of text that the first padded back: one run of rows, a slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = MaskedJointBlock(), MaskedJointBlock()
+
+    def forward(self, x, text, mask):
+        x, text = self.first(x, text, mask)
+        return self.second(x, text, mask)
+
+
+def _every_attention_sharded(rank, world, name, broken):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from partitioner.passes import localize
+
+    torch.manual_seed(0)
+    model = {"in_place": JointBuiltInPlace, "two_blocks": TwoMaskedJointBlocks}[name]().eval()
+    inputs = _inputs()
+    block_offsets_kept = mock.patch.object(localize, "_localize_block_slice", lambda node, mesh: None)
+    with torch.no_grad():
+        expected = model(*inputs)
+    with block_offsets_kept if broken else contextlib.nullcontext():
+        try:
+            partitioned = partition(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ulysses",)), (inputs, {}))
+            error = _error(partitioned.compile()(*inputs), expected)
+        except Exception as failure:  # noqa: BLE001 (rows written at global offsets do not fit a rank's part)
+            if not broken:
+                raise
+            return dict(error=str(failure))
+    checked = partitioned.verify(*inputs).nodes_checked if not broken else 0
+    return dict(error=error, checked=checked, attention=dict(partitioned.ctx.sequence_attention))
+
+
+@pytest.mark.parametrize("name", ["in_place", "two_blocks"])
+def test_every_attention_of_a_joint_sequence_built_in_place_or_picked_by_a_run_is_sequence_sharded(pools, name):
+    """Rows written into a whole buffer are a packed shard around them (each rank writes its part); rows picked by
+    a constant run are a slice of whole packed blocks. Every attention runs sequence-sharded, exact."""
+    for rank, result in enumerate(pools[2].run(_every_attention_sharded, name, False)):
+        assert isinstance(result["error"], float) and result["error"] <= TOLERANCE, (rank, result)
+        assert result["checked"] > 0 and result["attention"], result
+        assert all(how.startswith("sequence-sharded") for how in result["attention"].values()), result
+
+
+def test_negative_control_rows_written_at_their_global_offsets_are_wrong(pools):
+    results = pools[2].run(_every_attention_sharded, "in_place", True)
+    assert any(isinstance(r["error"], str) or r["error"] > 1e-3 for r in results), results
+
+
 @pytest.mark.parametrize("broken", ["order", "guard"])
 def test_negative_control_without_the_reorder_or_the_value_guard_is_wrong(pools, broken):
     results = _run(pools, "ulysses2", broken)

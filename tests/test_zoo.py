@@ -29,7 +29,7 @@ REFUSED = {
 # cross-attentions run on this rank's query rows.
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
-                    "hunyuan_video": 5, "sana": 2, "lumina2": 2, "mochi": 1}
+                    "hunyuan_video": 5, "sana": 2, "lumina2": 4, "mochi": 2}
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
   consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
 - Partial -> Shard, when every consumer wants the same ``Shard`` or ``InnerShard`` (``plan_tp_sequence``'s rows):
-  ``collectives.reduce_scatter``, the bias moved after it likewise.
+  ``collectives.reduce_scatter_start`` and ``_wait``, the bias moved after it likewise.
 - an ``InnerShard`` (tp's rows inside a sequence axis's shard) is sliced after every other axis, gathered before.
-- Shard -> Replicate: ``collectives.all_gather`` (uneven shards padded to the largest, then trimmed).
+- Shard -> Replicate: ``collectives.all_gather_start`` and ``_wait`` (uneven shards padded to the largest, then
+  trimmed). A collective issued by one node and waited on by another (these two, all_reduce) lets
+  ``schedule_collectives`` run independent compute while it is in flight.
 - Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
 - an attention whose keys a ring axis shards: ``collectives.ring_attention`` (key/value blocks passed round).
@@ -27,8 +29,8 @@ from torch.fx import GraphModule, Node
 from ..context import PassContext
 from ..errors import InvariantError
 from .. import collectives
-from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, delivery_order, is_sharded, local_shape,
-                         shard_slices, shard_widths)
+from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
+                         local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
 from ..mesh import SEQUENCE_AXES
 from ..rules.attention import RING_AXES
@@ -99,14 +101,26 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
     return result
 
 
-def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
+def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, axis: str, current, placement,
+            kind: str) -> Node:
+    """A collective in two nodes, so that ``schedule_collectives`` can run independent compute while it is in
+    flight: ``start`` issues it (its buffer shaped as the collective moves it, ``meta["in_flight"]``: no placement
+    describes it) and ``wait`` waits for it and gives the value placed ``placement``."""
     graph = producer.graph
-    users = list(producer.users)
-    args = (producer, placement.dim, _axis_sizes(producer, placement, axis, ctx), ctx.mesh.coordinate(axis),
-            ctx.mesh.group_name(axis))
     with graph.inserting_after(producer):
-        scatter = graph.call_function(collectives.reduce_scatter, args)
-    summed = _annotate(scatter, producer, axis, placement, {producer: Partial()}, "reduce_scatter")
+        issue = graph.call_function(start, (producer, *start_args))
+    with graph.inserting_after(issue):
+        done = graph.call_function(wait, (issue, *wait_args))
+    _annotate(issue, producer, axis, current, {producer: current}, kind).meta["in_flight"] = True
+    return _annotate(done, producer, axis, placement, {issue: current})
+
+
+def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
+    users = list(producer.users)
+    sizes = _axis_sizes(producer, placement, axis, ctx)
+    summed = _issued(producer, collectives.reduce_scatter_start, (placement.dim, sizes, ctx.mesh.group_name(axis)),
+                     collectives.reduce_scatter_wait, (placement.dim, sizes[ctx.mesh.coordinate(axis)]), axis,
+                     Partial(), placement, "reduce_scatter")
     return _replace_with_sum(producer, users, summed, axis, placement)
 
 
@@ -132,10 +146,8 @@ def _split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
 
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     sizes = _axis_sizes(producer, placement, axis, ctx)
-    with producer.graph.inserting_after(producer):
-        gather = producer.graph.call_function(
-            collectives.all_gather, (producer, placement.dim, sizes, ctx.mesh.group_name(axis)))
-    gathered = _annotate(gather, producer, axis, R, {producer: placement}, "all_gather")
+    gathered = _issued(producer, collectives.all_gather_start, (placement.dim, sizes, ctx.mesh.group_name(axis)),
+                       collectives.all_gather_wait, (placement.dim, sizes), axis, placement, R, "all_gather")
     if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
         size = _split_size(producer, placement, axis, ctx)
         return _in_sequence_order(gathered, producer, placement, size, axis, ctx)
@@ -197,18 +209,26 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     """This rank's part of a replicated value: free, no communication."""
     graph = producer.graph
     size = _split_size(producer, placement, axis, ctx)
-    ranges = shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
-    pieces, anchor = [], producer
-    for start, end in ranges:
+    num, ranges = ctx.mesh.size(axis), shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
+    if len(ranges) == 1:
+        pieces = [(placement, None)]
+    else:  # one piece per block of a packed shard: globally that block, this rank holding its part of it
+        offsets, whole = block_offsets(placement.blocks), producer.meta["val"]
+        pieces = [(packed_shard(placement.dim, (block,), placement.unit, num),
+                   whole.narrow(placement.dim, offset, block) if whole.shape[placement.dim] == size else None)
+                  for offset, block in zip(offsets, placement.blocks)]
+    anchor = producer
+    for index, (start, end) in enumerate(ranges):
         with graph.inserting_after(anchor):
             anchor = graph.call_function(aten.slice.Tensor, (producer, placement.dim, start, end))
         anchor.meta["local_slice"] = True  # its bounds are this rank's already (localize leaves them)
-        pieces.append(_annotate(anchor, producer, axis, placement, {producer: R}))
+        piece_placement, val = pieces[index]
+        pieces[index] = _annotate(anchor, producer, axis, piece_placement, {producer: R}, val=val)
     if len(pieces) == 1:
         return pieces[0]
     with graph.inserting_after(anchor):
         joined = graph.call_function(aten.cat.default, (pieces, placement.dim))
-    return _annotate(joined, producer, axis, placement, {p: placement for p in pieces})
+    return _annotate(joined, producer, axis, placement, {p: p.meta["placements"][axis] for p in pieces})
 
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:

@@ -123,7 +123,8 @@ def _localize_block_slice(node: Node, mesh) -> None:
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     mesh = ctx.mesh
     for node in gm.graph.nodes:
-        node.meta["global_shape"] = _shape(node.meta.get("val"))
+        # (a collective's buffer in flight is shaped as the collective moves it: no global value it is a part of)
+        node.meta["global_shape"] = None if node.meta.get("in_flight") else _shape(node.meta.get("val"))
     for node, graph_input in ctx.placeholder_inputs(gm).items():
         sharded = {axis: p for axis, p in node.meta["placements"].items() if is_sharded(p)}
         if sharded and graph_input.is_model_tensor:

@@ -40,6 +40,7 @@ from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
 from ..rules.pointwise import SIZE_ARGUMENT
+from ..rules.views import slice_bounds
 
 R = Replicate()
 
@@ -59,14 +60,31 @@ def sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
     joint, own = set(), set(lengths)
     for _ in range(2 if parts else 0):  # a part may itself be concatenated
         for node in gm.graph.nodes:
-            if node.target is torch.ops.aten.cat.default and shape_of(node) and len(node.args[0]) > 1:
-                dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape_of(node))
-                parts = {shape_of(part)[dim] for part in node.args[0] if shape_of(part)}
-                # (a sequence is never the last dim: a cat there joins features, e.g. rotary frequencies)
-                if shape_of(node)[dim] in lengths and 0 not in parts and dim != len(shape_of(node)) - 1:
-                    joint.add(shape_of(node)[dim])
-                    lengths |= parts
+            found = _joined(node)
+            # (a sequence is never the last dim: a cat there joins features, e.g. rotary frequencies)
+            if found and shape_of(node)[found[0]] in lengths and found[0] != len(shape_of(node)) - 1:
+                joint.add(shape_of(node)[found[0]])
+                lengths |= found[1]
     return lengths, lengths - own, joint
+
+
+def _joined(node: Node) -> tuple[int, set[int]] | None:
+    """The dim and the part lengths of a sequence joined from parts: a cat of several values, or rows written
+    into a buffer (``joint[:, :text] = text; joint[:, text:] = image``: the rows before, written and after)."""
+    shape = shape_of(node)
+    if not shape:
+        return None
+    if node.target is torch.ops.aten.cat.default and len(node.args[0]) > 1:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+        parts = {shape_of(part)[dim] for part in node.args[0] if shape_of(part)}
+        return (dim, parts) if 0 not in parts else None
+    if node.target is torch.ops.aten.slice_scatter.default:
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(shape)
+        bounds = slice_bounds(node, shape[dim], dim_arg=2)
+        if bounds and bounds != (0, shape[dim]):
+            start, end = bounds
+            return dim, {size for size in (start, end - start, shape[dim] - end) if size}
+    return None
 
 
 def ancestors(nodes: list[Node]) -> set[Node]:

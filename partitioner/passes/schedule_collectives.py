@@ -16,8 +16,9 @@ Overlap is never bought with memory: a node is hoisted over a wait only while th
 bytes they hold at once in the original order (``peak_bytes``: a value computed early lives longer); a run whose
 whole schedule still holds more (what is hoisted stays alive while later nodes run) is scheduled again with a
 lower bound for hoisting (``HOIST_LIMITS``), and keeps its original order if none holds.
-Synchronous collectives (the package's all_gather, all_to_all, ring attention, sharded norms) keep their places in
-the collective order; only functional collectives with their own wait are overlapped.
+Collectives issued by one node and waited on by another (all_reduce, all_gather, reduce_scatter) are overlapped;
+synchronous ones (all_to_all, ring attention, sharded norms, halo convolution) keep their places in the
+collective order.
 """
 
 from __future__ import annotations
@@ -25,27 +26,26 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 
-import torch
 from torch.fx import GraphModule, Node
 
+from .. import collectives
 from ..context import PassContext
 from ..cost import collective_s, load_profile, node_compute_s
 from ..errors import InvariantError
 from ..regions import runs_of_blocks
 from ..report import aliases, collective_calls, nbytes
 
-functional = torch.ops._c10d_functional
 # Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
 HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
 
 
 def issues_collective(node: Node) -> bool:
     return "collective" in node.meta or (
-        "_c10d_functional" in str(node.target) and node.target is not functional.wait_tensor.default)
+        "_c10d_functional" in str(node.target) and node.target not in collectives.WAITS)
 
 
 def _is_wait(node: Node) -> bool:
-    return node.target is functional.wait_tensor.default
+    return node.target in collectives.WAITS
 
 
 def _base(node: Node) -> Node:

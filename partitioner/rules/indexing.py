@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..placement import PackedShard, Shard, is_sharded
-from .core import R, Decision, Unshardable, norm_dim, register, shape_of
+from ..placement import PackedShard, Shard, is_sharded, packed_shard, unit_of
+from .core import R, Decision, Unshardable, norm_dim, register, shape_of, with_dim
 from .pointwise import pointwise_on
-from .views import block_range, blocks_placement, slice_like
+from .views import slice_bounds, block_range, blocks_placement, slice_like
 
 aten = torch.ops.aten
 
@@ -85,42 +85,63 @@ def index_copy(node: Node, placements, axis_size: int) -> Decision:
 
 
 
-def _scatter_into_blocks(node: Node, placements, sharded: dict, dim: int, axis_size: int) -> Decision:
+def _scatter_into_blocks(node: Node, placements, axis_size: int) -> Decision:
     """slice_scatter into whole blocks of a packed layout (a joint sequence whose image rows get their rotary
     embedding in place: ``q[:, :, text:] = rotate(q[:, :, text:])``): each rank writes its part of those blocks."""
-    target, src = node.args[0], node.args[1]
+    target, src, dim = node.args[0], node.args[1], node.args[2]
     placement = placements.get(target, R)
     covered = block_range(node, placement, dim_arg=2) if node.target is aten.slice_scatter.default and \
-        isinstance(placement, PackedShard) and placement.dim == dim else None
+        isinstance(placement, PackedShard) and placement.dim == norm_dim(dim, len(shape_of(node))) else None
     if covered is None or placements.get(src, R) != blocks_placement(placement, *covered, axis_size):
         raise Unshardable(f"{node.target.__name__} of a packed value, not into whole blocks laid out alike")
     return Decision(placement, {target: placement, src: placements[src]})
 
 
+def _packed_around(node: Node, src_placement, dim: int, axis_size: int):
+    """The packed layout a whole buffer takes when a value sharded along ``dim`` is written into rows
+    ``[start, end)`` of it (a joint sequence assembled in place, ``joint[:, text:] = image``): the rows before, the
+    written ones (in their own blocks) and the rows after, each block split evenly, so every rank writes its part."""
+    size = shape_of(node)[dim]
+    bounds = slice_bounds(node, size, dim_arg=2)
+    if bounds is None:
+        raise Unshardable("slice_scatter with a step along the sharded dim")
+    start, end = bounds
+    written = src_placement.blocks if isinstance(src_placement, PackedShard) else (end - start,)
+    blocks, unit = tuple(b for b in (start, *written, size - end) if b), unit_of(src_placement)
+    if any(block % (unit * axis_size) for block in blocks):  # (then every rank holds the same share of each)
+        raise Unshardable(f"slice_scatter along the sharded dim {dim}: blocks {list(blocks)} do not split evenly "
+                          f"over {axis_size}" + (f" in units of {unit}" if unit > 1 else ""))
+    return packed_shard(dim, blocks, unit, axis_size)
+
+
 @register(aten.slice_scatter.default, aten.select_scatter.default)
 def scatter_into(node: Node, placements, axis_size: int) -> Decision:
     """slice_scatter / select_scatter (what functionalization makes of ``x[..., a:b] = y``): ``src`` is written
-    into a slice of ``self`` along ``dim``. Along any other dim the two are sharded alike, row for row."""
+    into a slice of ``self`` along ``dim``. Along any other dim the two are sharded alike, row for row. Along the
+    sharded dim a sharded ``src`` fills whole blocks of a packed ``self``; a whole ``self`` (a buffer of zeros) is
+    laid out packed around it, sliced for free."""
     target, src, dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0
-    ndim = len(shape_of(node))
-    dim = norm_dim(dim, ndim)
-    sharded = {n: placements[n] for n in (target, src) if is_sharded(placements.get(n, R))}
-    inputs = {n: R for n in node.all_input_nodes}
-    if not sharded:
-        return Decision(R, inputs)
-    if any(isinstance(p, PackedShard) for p in sharded.values()):
-        return _scatter_into_blocks(node, placements, sharded, dim, axis_size)
+    dim = norm_dim(dim, len(shape_of(node)))
     selected = node.target is aten.select_scatter.default  # src lacks ``dim``
-    as_target = {target: placements.get(target, R)} if target in sharded else {}
-    if src in sharded:
-        src_dim = sharded[src].dim
-        as_target[src] = Shard(src_dim + (selected and src_dim >= dim))
-    dims = {p.dim for p in as_target.values()}
-    if len(dims) != 1:
-        raise Unshardable(f"{node.target.__name__} of values sharded on different dims {sorted(dims)}")
-    out_dim = dims.pop()
-    if out_dim == dim:
-        raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
-    inputs[target] = Shard(out_dim)
-    inputs[src] = Shard(out_dim - (selected and out_dim > dim))
-    return Decision(Shard(out_dim), inputs)
+    sharded = {n: placements[n] for n in (target, src) if is_sharded(placements.get(n, R))}
+    if not sharded:
+        return Decision(R, {n: R for n in node.all_input_nodes})
+    as_output = dict(sharded)  # each sharded input's placement in the output's dims
+    if src in sharded and selected:
+        as_output[src] = with_dim(sharded[src], sharded[src].dim + (sharded[src].dim >= dim))
+    if {p.dim for p in as_output.values()} == {dim}:  # written along the sharded dim
+        if selected:
+            raise Unshardable(f"select_scatter along the sharded dim {dim}")
+        if target not in sharded:
+            around = _packed_around(node, sharded[src], dim, axis_size)
+            if not isinstance(around, PackedShard):  # src replaces all of self
+                return Decision(around, {target: around, src: sharded[src]})
+            placements = {**placements, target: around}
+        return _scatter_into_blocks(node, placements, axis_size)
+    if len(set(as_output.values())) != 1:
+        raise Unshardable(f"{node.target.__name__} of values sharded differently: "
+                          f"{sorted(map(str, set(as_output.values())))}")
+    out = next(iter(as_output.values()))
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs.update({target: out, src: with_dim(out, out.dim - (selected and out.dim > dim))})
+    return Decision(out, inputs)

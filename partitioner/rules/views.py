@@ -268,7 +268,7 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
 
 
 
-def _slice_bounds(node: Node, size: int, dim_arg: int = 1) -> tuple[int, int] | None:
+def slice_bounds(node: Node, size: int, dim_arg: int = 1) -> tuple[int, int] | None:
     """``[start, end)`` of a slice (or a slice_scatter, ``dim_arg`` 2) along a dim of ``size``, normalised; None
     for a step other than 1."""
     args = node.args
@@ -282,7 +282,7 @@ def _slice_bounds(node: Node, size: int, dim_arg: int = 1) -> tuple[int, int] | 
 def block_range(node: Node, placement: PackedShard, dim_arg: int = 1) -> tuple[int, int] | None:
     """The blocks ``[i, j)`` of ``placement`` that ``node`` (a slice, or a slice_scatter with ``dim_arg`` 2) covers
     exactly, with step 1; None when it cuts a block."""
-    bounds = _slice_bounds(node, sum(placement.blocks), dim_arg)
+    bounds = slice_bounds(node, sum(placement.blocks), dim_arg)
     offsets = block_offsets(placement.blocks)
     if bounds is None or bounds[0] not in offsets or bounds[1] not in offsets or bounds[1] <= bounds[0]:
         return None
@@ -293,7 +293,7 @@ def _refined_blocks(node: Node, placement) -> tuple[int, ...] | None:
     """The blocks that a slice (step 1) along the sharded dim would take whole: the layout's own boundaries and
     the slice's two ends (``x[..., :n]`` of a fused [gate; value] projection: blocks (n, n))."""
     size = shape_of(node.args[0])[placement.dim]
-    bounds = _slice_bounds(node, size)
+    bounds = slice_bounds(node, size)
     if bounds is None:
         return None
     layout = placement.blocks if isinstance(placement, PackedShard) else (size,)
