@@ -59,11 +59,6 @@ def reduce_scatter_wait(issued: torch.Tensor, dim: int, size: int) -> torch.Tens
     return functional.wait_tensor(issued)[:size].movedim(0, dim)
 
 
-# What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
-# buffer the collective filled, but for an uneven all_gather's trimmed rows
-WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait)
-
-
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
                gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
     """Move the sharding of ``x`` from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
@@ -71,17 +66,43 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes
     This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
     ``scatter_dim``; it sends rank j its ``scatter_sizes[j]`` rows of ``scatter_dim`` and receives from rank i
     ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened, so uneven sizes on both dims work."""
-    pieces = x.split(scatter_sizes, dim=scatter_dim)
-    send = torch.cat([piece.reshape(-1) for piece in pieces])
+    issued = all_to_all_start(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, group_name)
+    return all_to_all_wait(issued, list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
+
+
+def _received_shapes(shape: list[int], scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
+                     gather_sizes: list[int], index: int) -> list[list[int]]:
+    """The shape of the piece each rank sends this one: its rows of ``gather_dim``, this rank's of ``scatter_dim``."""
     shapes = []
     for size in gather_sizes:
-        shape = list(x.shape)
-        shape[gather_dim], shape[scatter_dim] = size, scatter_sizes[index]
-        shapes.append(shape)
-    received = functional.wait_tensor(functional.all_to_all_single(
-        send, [math.prod(s) for s in shapes], [piece.numel() for piece in pieces], group_name))
-    parts = received.split([math.prod(s) for s in shapes])
-    return torch.cat([part.view(shape) for part, shape in zip(parts, shapes)], dim=gather_dim)
+        piece = list(shape)
+        piece[gather_dim], piece[scatter_dim] = size, scatter_sizes[index]
+        shapes.append(piece)
+    return shapes
+
+
+def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
+                     gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
+    """Issue ``all_to_all``: the received pieces, flattened end to end, in flight until ``all_to_all_wait``."""
+    pieces = x.split(scatter_sizes, dim=scatter_dim)
+    send = torch.cat([piece.reshape(-1) for piece in pieces])
+    shapes = _received_shapes(list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
+    return functional.all_to_all_single(send, [math.prod(s) for s in shapes], [piece.numel() for piece in pieces],
+                                        group_name)
+
+
+def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, gather_dim: int,
+                    scatter_sizes: list[int], gather_sizes: list[int], index: int) -> torch.Tensor:
+    """Wait for an issued ``all_to_all`` of a value of ``shape`` (this rank's) and join the pieces along
+    ``gather_dim``."""
+    shapes = _received_shapes(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
+    parts = functional.wait_tensor(issued).split([math.prod(s) for s in shapes])
+    return torch.cat([part.view(piece) for part, piece in zip(parts, shapes)], dim=gather_dim)
+
+
+# What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
+# buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's joined pieces
+WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait, all_to_all_wait)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

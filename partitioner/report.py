@@ -122,10 +122,12 @@ def aliases(node) -> bool:
     source = node.args[0] if node.args else None
     if node.op != "call_function" or not isinstance(source, torch.fx.Node):
         return False
-    from .collectives import WAITS
+    from .collectives import all_gather_wait, reduce_scatter_wait
 
-    if node.target is operator.getitem or node.target in WAITS:
+    if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, reduce_scatter_wait):
         return True
+    if node.target is all_gather_wait:  # (uneven pieces are trimmed into a new tensor)
+        return len(set(node.args[2])) == 1
     if node.target in _COPY_WHEN_NEEDED:
         before, after = source.meta.get("val"), node.meta.get("val")
         return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
@@ -149,21 +151,23 @@ def _workspace(node) -> int:
     reduce_scatter's padded input, a halo convolution's input with its borrowed rows, a ring attention's key/value blocks in flight (the one it sends on and the one
     arriving), its float32 partial results (the running output and this block's, merged in place) and, off CPU,
     each block's scores."""
-    from .collectives import (QUERY_CHUNK, all_gather, all_gather_start, all_to_all, halo_convolution,
-                              reduce_scatter, reduce_scatter_start, ring_attention)
+    from . import collectives as c
 
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
-    if node.target is all_to_all:
+    if node.target is c.all_to_all:
         return 2 * nbytes(node.meta["val"])
-    if node.target is all_gather:
+    if node.target is c.all_gather:
         return nbytes(node.meta["val"])
-    # (an issued collective's buffer is its node's value, live until its wait)
-    if node.target in (reduce_scatter, reduce_scatter_start, all_gather_start):  # the padded pieces it sends
+    # (an issued collective's receive buffer is its node's value, live until its wait; what it sends is a copy)
+    if node.target in (c.reduce_scatter, c.reduce_scatter_start, c.all_gather_start, c.all_to_all_start):
         return nbytes(node.args[0].meta["val"])
-    if node.target is halo_convolution:  # its input with the neighbours' rows around it
+    if node.target in c.WAITS and node.args[0].target in (c.reduce_scatter_start, c.all_gather_start,
+                                                          c.all_to_all_start):
+        return nbytes(node.args[0].args[0].meta["val"])  # what was sent is held until the collective is done
+    if node.target is c.halo_convolution:  # its input with the neighbours' rows around it
         return nbytes(node.args[0].meta["val"])
-    if node.target is not ring_attention:
+    if node.target is not c.ring_attention:
         return 0
     q, k, v = (n.meta["val"] for n in node.args[:3])
     blocks = 2 * nbytes((k, v)) + 2 * q.numel() * 4
@@ -171,7 +175,7 @@ def _workspace(node) -> int:
         return blocks
     # elsewhere (and on meta weights, as the planner sizes it) float32 scores and their softmax are materialised,
     # QUERY_CHUNK query rows at a time: the fused kernel that returns the log-sum-exp is used on CPU only
-    chunk = q.numel() // q.shape[-1] // q.shape[-2] * min(q.shape[-2], QUERY_CHUNK)
+    chunk = q.numel() // q.shape[-1] // q.shape[-2] * min(q.shape[-2], c.QUERY_CHUNK)
     return blocks + 2 * chunk * max(node.args[4]) * 4
 
 

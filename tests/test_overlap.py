@@ -224,3 +224,20 @@ def test_an_issued_collective_waits_after_independent_compute(kind):
     assert order == [issued, independent, done, joined]
     # nothing to cover (a free collective): the original order stays
     assert _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 0.0, limit=1e12) == run
+
+
+def test_ulysses_exchanges_of_q_k_and_v_are_in_flight_together(slow_links):
+    """An attention's q, k and v exchanges (all_to_all) are issued before the first of them is waited on, so the
+    later ones travel while the earlier ones arrive; the collective order is unchanged (checked by the pass)."""
+    from partitioner import collectives
+
+    nodes = list(_graph(True, slow_links, mesh={"ulysses": 2}).graph_module.graph.nodes)
+    issued = [n for n in nodes if n.target is collectives.all_to_all_start
+              and "transformer_blocks.0.attn" in str(n.meta["nn_module_stack"])]
+    assert len(issued) == 4  # q, k, v, and the output back
+    q, k, v, _ = issued
+    (q_wait,) = q.users
+    assert nodes.index(q) < nodes.index(k) < nodes.index(v) < nodes.index(q_wait)
+    unscheduled = list(_graph({"schedule": False}, slow_links, mesh={"ulysses": 2}).graph_module.graph.nodes)
+    q = next(n for n in unscheduled if n.target is collectives.all_to_all_start)
+    assert unscheduled[unscheduled.index(q) + 1] is next(iter(q.users))  # without the schedule: waited at once

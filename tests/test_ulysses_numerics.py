@@ -24,10 +24,11 @@ LAYOUTS = {"u2": ((2,), ("ulysses",)), "u4": ((4,), ("ulysses",)), "tp2_u2": ((2
 
 
 def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, group_name):
-    """The shape an all_to_all returns, built from this rank's own rows only: what a missing exchange computes."""
+    """The pieces an all_to_all receives, built from this rank's own rows only: what a missing exchange computes."""
     own = x.split(scatter_sizes, dim=scatter_dim)[index]
     rows = torch.arange(sum(gather_sizes)) % own.shape[gather_dim]
-    return own.index_select(gather_dim, rows)
+    pieces = own.index_select(gather_dim, rows).split(gather_sizes, dim=gather_dim)
+    return torch.cat([piece.reshape(-1) for piece in pieces])
 
 
 def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
@@ -38,9 +39,10 @@ def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)
     partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((), inputs))
-    exchanges = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.all_to_all]
+    exchanges = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.all_to_all_start]
     main = [n for n in exchanges if "transformer_blocks" in list(n.meta["nn_module_stack"].values())[-1][0]]
-    shapes = {n.args[0].name: (tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in main}
+    shapes = {n.args[0].name: (tuple(n.args[0].meta["val"].shape), tuple(next(iter(n.users)).meta["val"].shape))
+              for n in main}
     if drop_exchange:
         exchanges[-1].target = _no_exchange  # the last attention's output, back to sequence sharding
         partitioned.graph_module.recompile()

@@ -9,9 +9,10 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
   ``collectives.reduce_scatter_start`` and ``_wait``, the bias moved after it likewise.
 - an ``InnerShard`` (tp's rows inside a sequence axis's shard) is sliced after every other axis, gathered before.
 - Shard -> Replicate: ``collectives.all_gather_start`` and ``_wait`` (uneven shards padded to the largest, then
-  trimmed). A collective issued by one node and waited on by another (these two, all_reduce) lets
+  trimmed). A collective issued by one node and waited on by another (these, all_reduce, all_to_all) lets
   ``schedule_collectives`` run independent compute while it is in flight.
-- Shard(a) -> Shard(b): ``collectives.all_to_all`` (Ulysses: sequence-sharded <-> head-sharded).
+- Shard(a) -> Shard(b): ``collectives.all_to_all_start`` and ``_wait`` (Ulysses: sequence-sharded <->
+  head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
 - an attention whose keys a ring axis shards: ``collectives.ring_attention`` (key/value blocks passed round).
 - a convolution whose rows a sequence axis splits: ``collectives.halo_convolution`` (rows borrowed from neighbours).
@@ -188,13 +189,15 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     if packed and (not around_attention or current.dim == required.dim):
         raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact for an attention's "
                              "query, key and value and its output")
-    args = (producer, required.dim, current.dim, _axis_sizes(producer, required, axis, ctx),
-            _axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
-    with producer.graph.inserting_after(producer):
-        exchange = producer.graph.call_function(collectives.all_to_all, args)
+    dims = (required.dim, current.dim, _axis_sizes(producer, required, axis, ctx),
+            _axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
+    # (the wait names the shape it joins: the global one here, this rank's once localize has run)
+    exchange = _issued(producer, collectives.all_to_all_start, (*dims, ctx.mesh.group_name(axis)),
+                       collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims), axis, current,
+                       required, "all_to_all")
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         exchange.meta["rank_order"] = (axis, current.blocks)
-    return _annotate(exchange, producer, axis, required, {producer: current}, "all_to_all")
+    return exchange
 
 
 def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:

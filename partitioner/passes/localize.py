@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .. import collectives
 from ..context import PassContext
 from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
@@ -67,7 +68,9 @@ def _localize_sizes(node: Node, mesh) -> None:
         return
     if not any(is_sharded(p) for p in placements.values()):
         return
-    if node.target in (aten.slice.Tensor, aten.slice_scatter.default):
+    if node.target is collectives.all_to_all_wait:  # the shape it joins: this rank's part of what was sent
+        node.args = (node.args[0], list(_expected_local(node.args[0].args[0], mesh)), *node.args[2:])
+    elif node.target in (aten.slice.Tensor, aten.slice_scatter.default):
         _localize_block_slice(node, mesh)
     elif node.target in _SIZED_VIEWS:
         node.args = (node.args[0], _expected_local(node, mesh))
