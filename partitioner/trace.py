@@ -239,16 +239,21 @@ def slice_constant_runs(gm: torch.fx.GraphModule, inputs: list[GraphInput], stat
             graph_input = placeholders.get(node)
             if graph_input is not None:
                 value = state.get(graph_input.target) if graph_input.kind == "constant" else None
-                values[node] = value if value is not None and not value.is_meta else None
+                values[node] = value.cpu() if value is not None and not value.is_meta else None
             elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
                     node.all_input_nodes and torch.Tag.nondeterministic_seeded not in node.target.tags:
                 args = [value_of(n) for n in node.all_input_nodes]
                 if all(a is not None for a in args):
                     known = dict(zip(node.all_input_nodes, args))
                     get = lambda n: known[n]  # noqa: E731
+                    # computed on the CPU (a constant moved to the model's device keeps its values here); an op that
+                    # cannot run on the values leaves the index an index
                     kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in node.kwargs.items()}
-                    value = node.target(*torch.fx.node.map_arg(node.args, get), **torch.fx.node.map_arg(kwargs, get))
-                    # (computed on the CPU: a constant moved to the model's meta device keeps its values here)
+                    try:
+                        value = node.target(*torch.fx.node.map_arg(node.args, get),
+                                            **torch.fx.node.map_arg(kwargs, get))
+                    except Exception:  # noqa: BLE001
+                        value = None
                     values[node] = None if isinstance(value, torch.Tensor) and value.is_meta else value
         return values[node]
 
@@ -265,7 +270,7 @@ def slice_constant_runs(gm: torch.fx.GraphModule, inputs: list[GraphInput], stat
         if node.target is aten.index.Tensor:
             picked = [(dim, index) for dim, index in enumerate(node.args[1]) if index is not None]
             where = picked[0] if len(picked) == 1 else None
-        elif node.target is aten.index_select.default:
+        elif node.target is aten.index_select.default and node.args[0].meta["val"].dim():
             where = node.args[1] % node.args[0].meta["val"].dim(), node.args[2]
         else:
             continue

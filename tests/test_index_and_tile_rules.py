@@ -201,3 +201,10 @@ def test_a_constant_index_that_is_one_ascending_run_is_traced_as_a_slice():
 
     traced = trace(MovesItsIndex(), ((x.to("meta"),), {}))
     assert [n.target for n in traced.graph_module.graph.nodes if n.op == "call_function"] == [aten.slice.Tensor]
+
+    class PicksFromAScalar(torch.nn.Module):  # (index_select of a 0-d tensor: legal, left alone)
+        def forward(self, x):
+            return torch.index_select(x.sum(), 0, torch.tensor([0]))
+
+    traced = trace(PicksFromAScalar(), ((x,), {}))
+    assert aten.index_select.default in [n.target for n in traced.graph_module.graph.nodes]

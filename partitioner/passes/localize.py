@@ -108,7 +108,7 @@ def _localize_block_slice(node: Node, mesh) -> None:
     if node.meta.get("local_slice"):  # a slice insert_collectives took of this rank's part of its input
         return
     dim_arg = 2 if node.target is aten.slice_scatter.default else 1
-    dim = node.args[dim_arg] % len(source.meta["global_shape"])
+    dim = (node.args[dim_arg] if len(node.args) > dim_arg else 0) % len(source.meta["global_shape"])
     packed = [(axis, p) for axis, p in source.meta["placements"].items()
               if isinstance(p, PackedShard) and p.dim == dim]
     if not packed:
@@ -120,7 +120,7 @@ def _localize_block_slice(node: Node, mesh) -> None:
     # this rank's width of each block (uneven blocks, in whole units, differ from rank to rank)
     local = [end - start for start, end in shard_slices(placement, sum(placement.blocks), mesh.size(axis),
                                                         mesh.coordinate(axis))]
-    node.args = (*node.args[:dim_arg + 1], sum(local[:first]), sum(local[:last]))
+    node.args = (*node.args[:dim_arg], dim, sum(local[:first]), sum(local[:last]))
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:

@@ -20,9 +20,10 @@ How:
 3. The cost rule (``partitioner.cost``, the overlap profile): the repeated work saved, each row-sharded op's time
    times (tp - 1) / tp, against the communication added, a reduce-scatter instead of each all_reduce and an
    all_gather for every value gathered (a reduce-scatter and an all-gather move what one all-reduce moves).
-   The reduce-scatter and all-gather are waited on at once, while an all_reduce may hide behind compute: with
-   overlap on, the all_reduce they replace counts only its share the profile says compute cannot hide. Applied
-   only when the saving is larger.
+   The all_reduce they replace may hide behind compute (with overlap on it counts only the share the profile says
+   compute cannot hide); the reduce-scatter and all-gather are scheduled alike, but the rows they carry are what
+   the next ops need, so little compute is independent of them (none in H3's blocks): they count whole, an upper
+   bound. Applied only when the saving is larger.
 
 With a sequence axis (ulysses, ring) the rows are already split over it, and tp's row shard nests inside each of
 its shards (``InnerShard``): gathering over tp then gives back what the sequence axis holds. Not on a planning-only
@@ -179,8 +180,8 @@ def _estimate(decisions: dict, sharded: set[Node], scattered: list[Node], gather
 
     saved = sum(node_compute_s(node, profile)[0] * share(node) for node, decision in decisions.items()
                 if node not in sharded and any_sharded(decision.output)) * (degree - 1) / degree
-    # an all_reduce may hide behind compute (chunk_reductions, schedule_collectives), the reduce_scatter and
-    # all_gather that replace it are waited on at once: the all_reduce is counted as well hidden as it may get
+    # an all_reduce may hide behind compute (chunk_reductions, schedule_collectives); the reduce_scatter and
+    # all_gather that replace it carry rows the next ops need (little to hide behind): counted whole
     hidden = profile.overlap if ctx.overlap.schedule or ctx.overlap.chunk_reductions else 0.0
     added = sum(comm("reduce_scatter", seed) - (1 - hidden) * comm("all_reduce", seed) for seed in scattered)
     added += sum(comm("all_gather", node) for node in gathered)

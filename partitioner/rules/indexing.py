@@ -88,7 +88,7 @@ def index_copy(node: Node, placements, axis_size: int) -> Decision:
 def _scatter_into_blocks(node: Node, placements, axis_size: int) -> Decision:
     """slice_scatter into whole blocks of a packed layout (a joint sequence whose image rows get their rotary
     embedding in place: ``q[:, :, text:] = rotate(q[:, :, text:])``): each rank writes its part of those blocks."""
-    target, src, dim = node.args[0], node.args[1], node.args[2]
+    target, src, dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0
     placement = placements.get(target, R)
     covered = block_range(node, placement, dim_arg=2) if node.target is aten.slice_scatter.default and \
         isinstance(placement, PackedShard) and placement.dim == norm_dim(dim, len(shape_of(node))) else None
