@@ -145,6 +145,18 @@ def nbytes(val) -> int:
     return 0
 
 
+def held_bytes(node) -> int:
+    """The bytes a node's value holds while it lives: the value, and for a collective issued by this package (its
+    ``*_start``) also the copy it sends, which the collective holds until it is waited on (the issuing node's last
+    use): overlapped exchanges hold their send buffers at once."""
+    from . import collectives as c
+
+    held = nbytes(node.meta.get("val"))
+    if node.target in (c.all_gather_start, c.reduce_scatter_start, c.all_to_all_start):
+        held += nbytes(node.args[0].meta.get("val"))
+    return held
+
+
 def _workspace(node) -> int:
     """Bytes an op holds only while it runs: eager rms_norm's intermediate product (a composite of pow, mean,
     rsqrt and two muls), an all_to_all's send and receive buffers, an all_gather's gathered buffer, a
@@ -159,12 +171,8 @@ def _workspace(node) -> int:
         return 2 * nbytes(node.meta["val"])
     if node.target is c.all_gather:
         return nbytes(node.meta["val"])
-    # (an issued collective's receive buffer is its node's value, live until its wait; what it sends is a copy)
-    if node.target in (c.reduce_scatter, c.reduce_scatter_start, c.all_gather_start, c.all_to_all_start):
+    if node.target is c.reduce_scatter:  # the padded pieces it sends (an issued one's are in ``held_bytes``)
         return nbytes(node.args[0].meta["val"])
-    if node.target in c.WAITS and node.args[0].target in (c.reduce_scatter_start, c.all_gather_start,
-                                                          c.all_to_all_start):
-        return nbytes(node.args[0].args[0].meta["val"])  # what was sent is held until the collective is done
     if node.target is c.halo_convolution:  # its input with the neighbours' rows around it
         return nbytes(node.args[0].meta["val"])
     if node.target is not c.ring_attention:
@@ -199,7 +207,7 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
     live, peak, sizes = 0, 0, {}
     for index, node in enumerate(gm.graph.nodes):
         if node not in model_tensors and node.op != "output" and node not in owner:
-            sizes[node] = nbytes(node.meta.get("val"))
+            sizes[node] = held_bytes(node)
             live += sizes[node]
             peak = max(peak, live + _workspace(node))
         for storage in {owner.get(source, source) for source in node.all_input_nodes}:

@@ -252,7 +252,7 @@ def slice_constant_runs(gm: torch.fx.GraphModule, inputs: list[GraphInput], stat
                     try:
                         value = node.target(*torch.fx.node.map_arg(node.args, get),
                                             **torch.fx.node.map_arg(kwargs, get))
-                    except Exception:  # noqa: BLE001
+                    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
                         value = None
                     values[node] = None if isinstance(value, torch.Tensor) and value.is_meta else value
         return values[node]

@@ -105,8 +105,9 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
 def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, axis: str, current, placement,
             kind: str) -> Node:
     """A collective in two nodes, so that ``schedule_collectives`` can run independent compute while it is in
-    flight: ``start`` issues it (its buffer shaped as the collective moves it, ``meta["in_flight"]``: no placement
-    describes it) and ``wait`` waits for it and gives the value placed ``placement``."""
+    flight: ``start`` issues it (its buffer shaped as the collective moves it, ``meta["in_flight"]``: it keeps its
+    input's placement for bookkeeping, but is no slice of a global value) and ``wait`` waits for it and gives the
+    value placed ``placement``."""
     graph = producer.graph
     with graph.inserting_after(producer):
         issue = graph.call_function(start, (producer, *start_args))

@@ -16,9 +16,10 @@ Overlap is never bought with memory: a node is hoisted over a wait only while th
 bytes they hold at once in the original order (``peak_bytes``: a value computed early lives longer); a run whose
 whole schedule still holds more (what is hoisted stays alive while later nodes run) is scheduled again with a
 lower bound for hoisting (``HOIST_LIMITS``), and keeps its original order if none holds.
-Collectives issued by one node and waited on by another (all_reduce, all_gather, reduce_scatter) are overlapped;
-synchronous ones (all_to_all, ring attention, sharded norms, halo convolution) keep their places in the
-collective order.
+Collectives issued by one node and waited on by another (all_reduce, all_gather, reduce_scatter, all_to_all) are
+overlapped; synchronous ones (ring attention, sharded norms, halo convolution) keep their places in the collective
+order. A collective holds what it sends until its wait (``report.held_bytes``), so exchanges in flight together
+count their send buffers against the memory bound.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..context import PassContext
 from ..cost import collective_s, load_profile, node_compute_s
 from ..errors import InvariantError
 from ..regions import runs_of_blocks
-from ..report import aliases, collective_calls, nbytes
+from ..report import aliases, collective_calls, held_bytes
 
 # Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
 HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
@@ -81,13 +82,14 @@ class _Live:
             if self.owner.get(node) is not None:
                 for user in node.users:
                     self.uses[self.owner[node]] += 1 if user in inside else len(run) + 1
-        self.bytes = sum(nbytes(node.meta.get("val")) for node in earlier)
+        self.bytes = sum(held_bytes(node) for node in earlier)
+        self.values: set[Node] = set(earlier)  # the values held now (owners)
 
     def _change(self, node: Node) -> tuple[int, int]:
         """(bytes ``node`` adds, bytes freed once it has run)."""
-        added = nbytes(node.meta.get("val")) if self.owner[node] is node else 0
+        added = held_bytes(node) if self.owner[node] is node else 0
         reads = Counter(self.owner[n] for n in node.all_input_nodes if self.owner.get(n) is not None)
-        freed = sum(nbytes(owner.meta.get("val")) for owner, k in reads.items() if self.uses[owner] == k)
+        freed = sum(held_bytes(owner) for owner, k in reads.items() if self.uses[owner] == k)
         return added, freed + (added if self.uses[node] == 0 else 0)
 
     def peak_if_next(self, node: Node) -> int:
@@ -99,6 +101,10 @@ class _Live:
         for n in node.all_input_nodes:
             if self.owner.get(n) is not None:
                 self.uses[self.owner[n]] -= 1
+                if self.uses[self.owner[n]] == 0:
+                    self.values.discard(self.owner[n])
+        if added and self.uses[node]:
+            self.values.add(node)
         held = self.bytes + added
         self.bytes = held - freed
         return held
@@ -106,13 +112,23 @@ class _Live:
 
 def peak_bytes(order: list[Node]) -> int:
     """The most bytes a run's own values hold at once in this order (``_Live``)."""
-    live = _Live(order)
-    return max((live.schedule(node) for node in order), default=0)
+    return _peak(order)[0]
 
 
-def _order(run: list[Node], compute_s, comm_s, limit: float) -> list[Node]:
+def _peak(order: list[Node]) -> tuple[int, set[Node]]:
+    """The most bytes a run's own values hold at once in this order, and the values held then."""
+    live, peak, held = _Live(order), -1, set()
+    for node in order:
+        before = set(live.values)
+        now = live.schedule(node)
+        if now > peak:
+            peak, held = now, before | {node}
+    return max(peak, 0), held
+
+
+def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset = frozenset()) -> list[Node]:
     """The schedule of one run of nodes (see the module docstring); a node is hoisted over a wait only while the
-    run's values hold at most ``limit`` bytes."""
+    run's values hold at most ``limit`` bytes, and never a ``pinned`` one."""
     position = {node: i for i, node in enumerate(run)}
     missing = {node: sum(1 for n in node.all_input_nodes if n in position) for node in run}
     collectives = [node for node in run if issues_collective(node)]
@@ -132,8 +148,8 @@ def _order(run: list[Node], compute_s, comm_s, limit: float) -> list[Node]:
         if chosen is None:
             chosen = candidates[0]
             if _is_wait(chosen) and uncovered.get(chosen.args[0], 0.0) > 0:
-                chosen = next((node for node in candidates
-                               if not _is_wait(node) and live.peak_if_next(node) <= limit), chosen)
+                chosen = next((node for node in candidates if not _is_wait(node) and node not in pinned
+                               and live.peak_if_next(node) <= limit), chosen)
         ready.remove((position[chosen], chosen))
         heapq.heapify(ready)
         order.append(chosen)
@@ -155,6 +171,26 @@ def _order(run: list[Node], compute_s, comm_s, limit: float) -> list[Node]:
     if len(order) != len(run):
         raise InvariantError(f"schedule_collectives: scheduled {len(order)} of {len(run)} nodes")
     return order
+
+
+def _within_memory(run: list[Node], compute_s, comm_s) -> list[Node] | None:
+    """A schedule of ``run`` whose values never hold more bytes at once than in the original order, or None.
+    A node hoisted over a wait that is still held at the schedule's peak (computed early, it lives across a
+    larger value) is pinned to its place and the run scheduled again; then the hoisting limit is lowered."""
+    limit, original = peak_bytes(run), {node: i for i, node in enumerate(run)}
+    for share in HOIST_LIMITS:
+        pinned: set[Node] = set()
+        while True:
+            order = _order(run, compute_s, comm_s, share * limit, frozenset(pinned))
+            peak, held = _peak(order)
+            if peak <= limit:
+                return order
+            position = {node: i for i, node in enumerate(order)}
+            early = {node for node in held if node in original and position[node] < original[node]} - pinned
+            if not early:
+                break
+            pinned |= early
+    return None
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -179,12 +215,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:  # (a local slice may sit between them)
         first.prepend(node)
     for run_ in runs_of_blocks(gm.graph.nodes):
-        limit = peak_bytes(run_)
-        for share in HOIST_LIMITS:  # overlap must not cost memory: hoist less until the run's peak holds
-            order = _order(run_, compute_s, comm_s, share * limit)
-            if peak_bytes(order) <= limit:
-                break
-        else:
+        order = _within_memory(run_, compute_s, comm_s)
+        if order is None:
             continue
         anchor = run_[0].prev
         for node in order:
