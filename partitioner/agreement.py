@@ -241,8 +241,11 @@ _ASSIGNMENT = re.compile(r"^\s+(\w+)(?:\s*:[^=]*)?\s*=\s")
 
 
 def _is_collective_failure(error: BaseException, node: torch.fx.Node) -> bool:
-    return "collective" in node.meta or isinstance(error, getattr(dist, "DistBackendError", ())) or \
-        "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    from .collectives import WAITS
+
+    waits_for_one = node.target in WAITS and "collective" in getattr(node.args[0], "meta", {})
+    return "collective" in node.meta or waits_for_one or isinstance(error, getattr(dist, "DistBackendError", ())) \
+        or "timed out" in str(error).lower() or "timeout" in str(error).lower()
 
 
 def describe_collective(node: torch.fx.Node) -> str:
