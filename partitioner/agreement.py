@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .collectives import WAITS
 from .errors import CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
 
 DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
@@ -241,8 +242,6 @@ _ASSIGNMENT = re.compile(r"^\s+(\w+)(?:\s*:[^=]*)?\s*=\s")
 
 
 def _is_collective_failure(error: BaseException, node: torch.fx.Node) -> bool:
-    from .collectives import WAITS
-
     waits_for_one = node.target in WAITS and "collective" in getattr(node.args[0], "meta", {})
     return "collective" in node.meta or waits_for_one or isinstance(error, getattr(dist, "DistBackendError", ())) \
         or "timed out" in str(error).lower() or "timeout" in str(error).lower()
@@ -252,8 +251,6 @@ def describe_collective(node: torch.fx.Node) -> str:
     if "collective" in node.meta:
         kind, axis = node.meta["collective"]
         return f"the {kind} {node.name} over mesh dim {axis!r}"
-    from .collectives import WAITS
-
     if node.target in WAITS:
         source = node.args[0]
         if "collective" in source.meta:

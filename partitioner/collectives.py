@@ -14,14 +14,10 @@ import torch.distributed._functional_collectives  # noqa: F401  (registers torch
 functional = torch.ops._c10d_functional
 
 
-def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
-    """Concatenate every rank's shard of ``x`` along ``dim``; rank i holds ``sizes[i]`` rows of it."""
-    return all_gather_wait(all_gather_start(x, dim, sizes, group_name), dim, sizes)
-
-
 def all_gather_start(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
-    """Issue ``all_gather``: the gathered buffer, in flight until ``all_gather_wait`` (every rank's rows at the
-    front, each piece padded to the largest: all_gather_into_tensor needs equal pieces)."""
+    """Issue the concatenation of every rank's shard of ``x`` along ``dim`` (rank i holds ``sizes[i]`` rows of
+    it): the gathered buffer, in flight until ``all_gather_wait`` (every rank's rows at the front, each piece padded
+    to the largest: all_gather_into_tensor needs equal pieces)."""
     largest = max(sizes)
     front = x.movedim(dim, 0)
     if front.shape[0] < largest:
@@ -37,16 +33,10 @@ def all_gather_wait(issued: torch.Tensor, dim: int, sizes: list[int]) -> torch.T
     return gathered.movedim(0, dim)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, sizes: list[int], index: int, group_name: str) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep this rank's (``index`` in its group) rows of ``dim``: rank i gets
-    ``sizes[i]`` of them (uneven pieces are padded to the largest, then trimmed). What an all_reduce followed by
-    a slice gives, for half the bytes."""
-    return reduce_scatter_wait(reduce_scatter_start(x, dim, sizes, group_name), dim, sizes[index])
-
-
 def reduce_scatter_start(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
-    """Issue ``reduce_scatter``: this rank's summed rows (padded to the largest piece), in flight until
-    ``reduce_scatter_wait``."""
+    """Issue the sum of ``x`` over the ranks, each keeping its rows of ``dim`` (rank i gets ``sizes[i]`` of them;
+    what an all_reduce followed by a slice gives, for half the bytes): this rank's summed rows, padded to the
+    largest piece, in flight until ``reduce_scatter_wait``."""
     largest = max(sizes)
     pieces = x.movedim(dim, 0).split(sizes)
     padded = [piece if piece.shape[0] == largest else
@@ -57,17 +47,6 @@ def reduce_scatter_start(x: torch.Tensor, dim: int, sizes: list[int], group_name
 def reduce_scatter_wait(issued: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """Wait for an issued ``reduce_scatter`` and keep this rank's ``size`` rows."""
     return functional.wait_tensor(issued)[:size].movedim(0, dim)
-
-
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
-               gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
-    """Move the sharding of ``x`` from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
-
-    This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
-    ``scatter_dim``; it sends rank j its ``scatter_sizes[j]`` rows of ``scatter_dim`` and receives from rank i
-    ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened, so uneven sizes on both dims work."""
-    issued = all_to_all_start(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, group_name)
-    return all_to_all_wait(issued, list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
 
 
 def _received_shapes(shape: list[int], scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
@@ -83,7 +62,12 @@ def _received_shapes(shape: list[int], scatter_dim: int, gather_dim: int, scatte
 
 def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
                      gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
-    """Issue ``all_to_all``: the received pieces, flattened end to end, in flight until ``all_to_all_wait``."""
+    """Issue the move of ``x``'s sharding from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
+
+    This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
+    ``scatter_dim``; it sends rank j its ``scatter_sizes[j]`` rows of ``scatter_dim`` and receives from rank i
+    ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened, so uneven sizes on both dims work; the
+    received pieces, end to end, are in flight until ``all_to_all_wait``."""
     pieces = x.split(scatter_sizes, dim=scatter_dim)
     send = torch.cat([piece.reshape(-1) for piece in pieces])
     shapes = _received_shapes(list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
@@ -100,6 +84,8 @@ def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, ga
     return torch.cat([part.view(piece) for part, piece in zip(parts, shapes)], dim=gather_dim)
 
 
+# What issues a collective of this package's (it holds what it sends, a copy of its input, until the wait)
+STARTS = (all_gather_start, reduce_scatter_start, all_to_all_start)
 # What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
 # buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's joined pieces
 WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait, all_to_all_wait)

@@ -136,8 +136,7 @@ def _only_moves_data(node) -> bool:
     """A collective that computes nothing (sharded norms and ring attention compute as well as communicate)."""
     from . import collectives as c
 
-    return node.target in (c.all_gather, c.all_gather_start, c.all_to_all, c.all_to_all_start, c.reduce_scatter,
-                           c.reduce_scatter_start, *c.WAITS) or "_c10d_functional" in str(node.target)
+    return node.target in (*c.STARTS, *c.WAITS) or "_c10d_functional" in str(node.target)
 
 
 def node_compute_s(node, profile: DeviceProfile) -> tuple[float, float, float]:

@@ -152,27 +152,21 @@ def held_bytes(node) -> int:
     from . import collectives as c
 
     held = nbytes(node.meta.get("val"))
-    if node.target in (c.all_gather_start, c.reduce_scatter_start, c.all_to_all_start):
+    if node.target in c.STARTS:
         held += nbytes(node.args[0].meta.get("val"))
     return held
 
 
 def _workspace(node) -> int:
     """Bytes an op holds only while it runs: eager rms_norm's intermediate product (a composite of pow, mean,
-    rsqrt and two muls), an all_to_all's send and receive buffers, an all_gather's gathered buffer, a
-    reduce_scatter's padded input, a halo convolution's input with its borrowed rows, a ring attention's key/value blocks in flight (the one it sends on and the one
-    arriving), its float32 partial results (the running output and this block's, merged in place) and, off CPU,
-    each block's scores."""
+    rsqrt and two muls), a halo convolution's input with its borrowed rows, a ring attention's key/value blocks
+    in flight (the one it sends on and the one arriving), its float32 partial results (the running output and
+    this block's, merged in place) and, off CPU, each block's scores. (An issued collective's buffers are values:
+    ``held_bytes``.)"""
     from . import collectives as c
 
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
-    if node.target is c.all_to_all:
-        return 2 * nbytes(node.meta["val"])
-    if node.target is c.all_gather:
-        return nbytes(node.meta["val"])
-    if node.target is c.reduce_scatter:  # the padded pieces it sends (an issued one's are in ``held_bytes``)
-        return nbytes(node.args[0].meta["val"])
     if node.target is c.halo_convolution:  # its input with the neighbours' rows around it
         return nbytes(node.args[0].meta["val"])
     if node.target is not c.ring_attention:
@@ -219,14 +213,14 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 def collective_calls(node) -> tuple[int, int]:
     """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
     collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
-    from .collectives import (halo_convolution, reduce_scatter, reduce_scatter_start, ring_attention,
-                              sharded_layer_norm, sharded_rms_norm)
+    from .collectives import (halo_convolution, reduce_scatter_start, ring_attention, sharded_layer_norm,
+                              sharded_rms_norm)
 
     val = node.meta["val"]
     if node.target is halo_convolution:  # the rows borrowed from (and lent to) each neighbour
         x, dim, width = node.args[0].meta["val"], node.args[7], node.args[8]
         return 2 * width * x.numel() // x.shape[dim] * x.element_size(), 1
-    if node.target in (reduce_scatter, reduce_scatter_start):  # sized by what it sums, as an all_reduce of it
+    if node.target is reduce_scatter_start:  # sized by what it sums, as an all_reduce of the same value
         val = node.args[0].meta["val"]
     if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block
         k, v = node.args[1].meta["val"], node.args[2].meta["val"]

@@ -44,9 +44,7 @@ from .base import Backend, register
 _COLLECTIVES = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default,
                 torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.wait_tensor.default,
-                collectives.all_gather, collectives.all_gather_start, collectives.all_gather_wait,
-                collectives.all_to_all, collectives.all_to_all_start, collectives.all_to_all_wait,
-                collectives.reduce_scatter, collectives.reduce_scatter_start, collectives.reduce_scatter_wait,
+                *collectives.STARTS, *collectives.WAITS,
                 collectives.sharded_rms_norm, collectives.sharded_layer_norm}
 # Ops that move data to another device (creation ops are pointed at the rank's device when compiling).
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout}

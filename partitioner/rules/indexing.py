@@ -85,13 +85,13 @@ def index_copy(node: Node, placements, axis_size: int) -> Decision:
 
 
 
-def _scatter_into_blocks(node: Node, placements, axis_size: int) -> Decision:
+def _scatter_into_blocks(node: Node, placements, dim: int, axis_size: int) -> Decision:
     """slice_scatter into whole blocks of a packed layout (a joint sequence whose image rows get their rotary
     embedding in place: ``q[:, :, text:] = rotate(q[:, :, text:])``): each rank writes its part of those blocks."""
-    target, src, dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0
+    target, src = node.args[0], node.args[1]
     placement = placements.get(target, R)
     covered = block_range(node, placement, dim_arg=2) if node.target is aten.slice_scatter.default and \
-        isinstance(placement, PackedShard) and placement.dim == norm_dim(dim, len(shape_of(node))) else None
+        isinstance(placement, PackedShard) and placement.dim == dim else None
     if covered is None or placements.get(src, R) != blocks_placement(placement, *covered, axis_size):
         raise Unshardable(f"{node.target.__name__} of a packed value, not into whole blocks laid out alike")
     return Decision(placement, {target: placement, src: placements[src]})
@@ -137,7 +137,7 @@ def scatter_into(node: Node, placements, axis_size: int) -> Decision:
             if not isinstance(around, PackedShard):  # src replaces all of self
                 return Decision(around, {target: around, src: sharded[src]})
             placements = {**placements, target: around}
-        return _scatter_into_blocks(node, placements, axis_size)
+        return _scatter_into_blocks(node, placements, dim, axis_size)
     if len(set(as_output.values())) != 1:
         raise Unshardable(f"{node.target.__name__} of values sharded differently: "
                           f"{sorted(map(str, set(as_output.values())))}")
