@@ -6,9 +6,10 @@ Two tables:
 1. tiny random models (CPU, gloo ranks) in TP=2, Ulysses=2 and TP=2 x Ulysses=2: exact against the unpartitioned
    model or refused (and why), the share of parameter bytes replicated, collectives per transformer block
    (all_reduce over tp, all_to_all over ulysses), attentions sequence-sharded, partition seconds;
-2. the production-size config traced on the meta device with production-size inputs (``PRODUCTION``) and planned
-   at TP=--full-tp (no process group, no memory): the share of parameter bytes every rank holds whole, and the
-   largest replicated modules.
+2. the production-size config traced on the meta device at the sizes its pipeline passes (``PIPELINE_SIZES``:
+   odd text lengths, row counts equal to a feature width) and planned (no process group, no memory) at
+   TP=--full-tp: the share of parameters every rank holds whole; and at Ulysses 2, 4, 8 and ring 2: the
+   attentions sequence-sharded, with the first reason one is left whole.
 """
 
 from __future__ import annotations
@@ -59,61 +60,89 @@ def _blocks(name: str) -> int:
     return max(count, 1)
 
 
-def full_table(models: list[str], degree: int) -> list[str]:
-    import torch
+SEQUENCE_MESHES = (("ulysses", 2), ("ulysses", 4), ("ulysses", 8), ("ring", 2))
 
-    from partitioner import partition
+
+def full_table(models: list[str], degree: int, sizes: str | None = None) -> list[str]:
+    """Each model's production config on the meta device at the sizes its pipeline passes (``PIPELINE_SIZES``),
+    traced once per size and planned for rank programs (as a DeviceMesh partition plans): the share of parameter
+    bytes every rank holds whole at TP=``degree``, and the attentions sequence-sharded at each of
+    ``SEQUENCE_MESHES``, with the first reason one is left whole."""
+    from partitioner.api import decide
     from partitioner.errors import PartitionerError
-    from partitioner.testing.zoo import ZOO, build, config
+    from partitioner.mesh import as_mesh_spec
+    from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
+    from partitioner.trace import copy_graph_module, trace
 
-    lines = [f"| model | params | replicated at TP={degree} | largest replicated | plan s |", "|---|---|---|---|---|"]
+    heads = " | ".join(f"{axis}={n}" for axis, n in SEQUENCE_MESHES)
+    lines = [f"| model | size | params | replicated at TP={degree} | attentions sequence-sharded: {heads} | "
+             "plan s |", "|---|---|---|---|" + "---|" * len(SEQUENCE_MESHES) + "---|"]
     for name in models:
         if ZOO[name].full is None:
             continue
-        model = build(name, full=True)
-        args, kwargs = ZOO[name].make_inputs(config(name, full=True), 0, **_production_sizes(ZOO[name].make_inputs))
-        # float inputs to the meta device; masks and ids keep their values (a model that reads them is traced
-        # for them, value_specialization; trace moves them to meta after reading them)
-        to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
-        args = tuple(to_meta(a) for a in args)
-        kwargs = {k: torch.utils._pytree.tree_map(to_meta, v) for k, v in kwargs.items()}
-        params = sum(p.numel() for p in model.parameters())
-        start = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                partitioned = partition(model, {"tp": degree}, (args, kwargs))
-        except PartitionerError as error:
-            lines.append(f"| {name} | {params / 1e9:.1f}B | refused: {type(error).__name__} "
-                         f"{str(error).splitlines()[0][:80]} | | |")
-            continue
-        seconds = time.perf_counter() - start
-        report = partitioned.report()
-        replicated = Counter()
-        for path, style in partitioned.linear_styles.items():
-            if style.startswith("replicate"):
-                module = model.get_submodule(path)
-                replicated[_pattern(path)] += sum(p.numel() for p in module.parameters())
-        largest = ", ".join(f"{p} {n / params:.1%}" for p, n in replicated.most_common(2))
-        lines.append(f"| {name} | {params / 1e9:.1f}B | {report.replicated_share:.1%} | {largest} | {seconds:.0f} |")
-        print(lines[-1], flush=True)
+        for label, shape in PIPELINE_SIZES.get(name, {}).items():
+            if sizes and sizes not in label:
+                continue
+            model = build(name, full=True)
+            params = sum(p.numel() for p in model.parameters())
+            args, kwargs = _meta_inputs(ZOO[name].make_inputs(config(name, full=True), 0, **shape))
+            start = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    traced = trace(model, (args, kwargs))
+                    cells = [_replicated(model, decide(_copy(traced, copy_graph_module), as_mesh_spec(
+                        {"tp": degree}, programs="rank"), name), params)]
+                    for axis, n in SEQUENCE_MESHES:
+                        ctx = decide(_copy(traced, copy_graph_module), as_mesh_spec({axis: n}, programs="rank"),
+                                     name)[0]
+                        total = len(ctx.sequence_attention)
+                        first = next(iter(ctx.sequence_whole.values()), "")
+                        cells.append(f"{total - len(ctx.sequence_whole)}/{total}" + (f" ({first[:60]})" if first
+                                                                                    else ""))
+            except PartitionerError as error:
+                lines.append(f"| {name} | {label} | {params / 1e9:.1f}B | refused: {type(error).__name__} "
+                             f"{str(error).splitlines()[0][:80]} |" + " |" * (len(SEQUENCE_MESHES) + 1))
+                print(lines[-1], flush=True)
+                continue
+            seconds = (time.perf_counter() - start) / (1 + len(SEQUENCE_MESHES))
+            lines.append(f"| {name} | {label} | {params / 1e9:.1f}B | " + " | ".join(cells) + f" | {seconds:.0f} |")
+            print(lines[-1], flush=True)
     return lines
 
 
-# Sizes of a production call (the plan depends on them: a Linear over few rows is split row-wise): a 1024x1024 image
-# or a short 480p video in latent units, 256 text tokens; traced on the meta device, they cost nothing.
-PRODUCTION = dict(text=256, height=128, width=128, frames=8, video=4096, audio=256)
+def _meta_inputs(example):
+    """Float inputs on the meta device; masks and ids keep their values (a model that reads them is traced for
+    them, value_specialization; trace moves them to meta after reading them)."""
+    import torch
+
+    args, kwargs = example
+    to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    return (tuple(to_meta(a) for a in args),
+            {k: torch.utils._pytree.tree_map(to_meta, v) for k, v in kwargs.items()})
 
 
-def _production_sizes(make_inputs) -> dict:
-    """The PRODUCTION sizes this input builder takes (video builders get a smaller frame)."""
-    import inspect
+def _copy(traced, copy_graph_module):
+    """A trace to plan once more (planning rewrites its graph in place)."""
+    import dataclasses
 
-    accepted = {name for name, p in inspect.signature(make_inputs).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    sizes = {name: size for name, size in PRODUCTION.items() if name in accepted}
-    if "frames" in sizes:
-        sizes.update(height=60, width=104)
-    return sizes
+    return dataclasses.replace(traced, graph_module=copy_graph_module(traced.graph_module),
+                               inputs=list(traced.inputs))
+
+
+def _replicated(model, planned, params: int) -> str:
+    """The share of parameters every rank holds whole (no axis shards them in the planned graph), with the
+    largest replicated module pattern."""
+    from partitioner.placement import is_sharded
+
+    ctx, gm = planned[0], planned[1]
+    replicated = Counter()
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        if graph_input.kind == "parameter" and not any(map(is_sharded, node.meta["placements"].values())):
+            replicated[_pattern(graph_input.target.rsplit(".", 1)[0])] += node.meta["val"].numel()
+    share = sum(replicated.values()) / params
+    largest = ", ".join(f"{p} {n / params:.1%}" for p, n in replicated.most_common(1))
+    return f"{share:.1%}" + (f" ({largest})" if largest and share > 0.005 else "")
 
 
 def _pattern(path: str) -> str:
@@ -127,13 +156,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(ZOO))
     parser.add_argument("--full-tp", type=int, default=8)
     parser.add_argument("--skip-full", action="store_true")
+    parser.add_argument("--sizes", help="only the pipeline sizes whose label contains this, e.g. 1024x768")
     parser.add_argument("--skip-tiny", action="store_true")
     args = parser.parse_args()
     if not args.skip_tiny:
         print("\n".join(tiny_table(args.models)), flush=True)
     if not args.skip_full:
         print()
-        print("\n".join(full_table(args.models, args.full_tp)))
+        print("\n".join(full_table(args.models, args.full_tp, args.sizes)))
 
 
 if __name__ == "__main__":

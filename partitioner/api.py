@@ -21,6 +21,7 @@ from .context import Overlap, PassContext
 from .dump import Dumper
 from .mesh import MeshSpec, as_mesh_spec
 from .passes import PLAN, TO_RANK, run_passes
+from .passes.plan_sequence import warn_whole_attentions
 from .plan_view import write_html
 from .plans import Plan
 from .report import Report, build_report, collective_stats
@@ -213,6 +214,10 @@ class Partitioned:
         chosen = backends.get(backend)
         chosen.validate(options)
         if chosen.takes == "global":
+            if self.mesh.per_rank:
+                raise BackendError(f"{backend!r} runs one global program (XLA SPMD), and this partition was planned for "
+                                   "rank programs (a DeviceMesh, or programs='rank'); partition with the mesh as axis "
+                                   f"sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
             self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
             return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
                                 **options), self.whole_tensors
@@ -312,7 +317,6 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     or failed to build one raises ``RankDisagreement`` on every rank.
     """
     spec, groups = mesh_with_groups(mesh, rank, timeout)
-
     buckets = parse_buckets(buckets)
 
     def partition_with(traced: Traced) -> Partitioned:
@@ -321,15 +325,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
                                 bounds=bounds, buckets=buckets, overlap=overlap)
 
     def build() -> Partitioned:
-        try:
-            partitioned = trace_and_partition(model, _padded_to_buckets(model, example_inputs, buckets),
-                                              partition_with)
-        except TraceError as error:
-            if not buckets:
-                raise
-            padded = ", ".join(f"{name} dim {dim} to {list(sizes)}" for (name, dim), sizes in buckets.items())
-            raise TraceError(f"{error}\n(the example inputs were padded to buckets: {padded}; the model may not "
-                             "take a padded size there)") from error
+        partitioned = trace_bucketed(model, example_inputs, buckets, partition_with)
         if backend_checks is not None:
             _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
         return partitioned
@@ -337,11 +333,24 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap)
     partitioned = build_agreed(build, spec, groups, options)
+    warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
     partitioned.skeleton = _skeleton(model)
     partitioned.model_config = getattr(model, "config", None)
     partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return partitioned
+
+
+def trace_bucketed(model: torch.nn.Module, example_inputs, buckets: dict, partition_with):
+    """``trace_and_partition`` on the example inputs padded to their ``buckets`` (parsed)."""
+    try:
+        return trace_and_partition(model, _padded_to_buckets(model, example_inputs, buckets), partition_with)
+    except TraceError as error:
+        if not buckets:
+            raise
+        padded = ", ".join(f"{name} dim {dim} to {list(sizes)}" for (name, dim), sizes in buckets.items())
+        raise TraceError(f"{error}\n(the example inputs were padded to buckets: {padded}; the model may not take a "
+                         "padded size there)") from error
 
 
 def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, *,
@@ -445,6 +454,22 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
                      buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
     ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
+    ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
+                           overlap=overlap)
+    planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
+    gm = run_passes(gm, ctx, TO_RANK, dump)
+    traced.graph_module, traced.inputs = gm, ctx.inputs
+    partitioned = Partitioned(model_name, traced, ctx, planned)
+    if dump.directory:  # the plan as a picture beside the pass dumps
+        write_html(partitioned, dump.directory / "plan.html")
+    return partitioned
+
+
+def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
+           dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None, buckets: dict | None = None,
+           overlap: bool | dict | Overlap = True) -> tuple[PassContext, torch.fx.GraphModule, Dumper]:
+    """The planning passes (``PLAN``) over a trace: every decision ``partition`` takes (``partitioner.plan`` reads
+    them from the context), the planned global graph, and the dumper that wrote it."""
     ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
                       buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
                       overlap=Overlap.parse(overlap))
@@ -466,12 +491,5 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
-    gm = run_passes(gm, ctx, PLAN, dump)
-    planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
-    gm = run_passes(gm, ctx, TO_RANK, dump)
-    traced.graph_module, traced.inputs = gm, ctx.inputs
-    partitioned = Partitioned(model_name, traced, ctx, planned)
-    if dump.directory:  # the plan as a picture beside the pass dumps
-        write_html(partitioned, dump.directory / "plan.html")
-    return partitioned
+    return ctx, run_passes(gm, ctx, PLAN, dump), dump
 

@@ -128,23 +128,39 @@ def sharded_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch
 QUERY_CHUNK = 1024  # query rows per score matrix where no fused kernel returns the log-sum-exp
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """An attention mask as scores to add: a boolean one (True attends) as 0 / -inf."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                     fused: bool | None = None):
+                     fused: bool | None = None, mask: torch.Tensor | None = None):
     """Attention of all queries over one block of keys: (output, log-sum-exp of the scores per query row), both in
-    float32 at least. The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores,
-    ``QUERY_CHUNK`` query rows at a time so that a score matrix stays ``[heads, QUERY_CHUNK, block rows]`` (a fused
-    kernel with the log-sum-exp is still to be used there). ``fused`` overrides the choice (tests)."""
+    float32 at least; a query row whose keys in this block are all masked out has log-sum-exp -inf and output 0.
+    The fused CPU kernel returns the log-sum-exp; elsewhere it is computed from the scores, ``QUERY_CHUNK`` query
+    rows at a time so that a score matrix stays ``[heads, QUERY_CHUNK, block rows]`` (a fused kernel with the
+    log-sum-exp is still to be used there). ``fused`` overrides the choice (tests). ``mask``: additive, this
+    block's columns."""
+    wide_q = _wide(q)
     if q.device.type == "cpu" if fused is None else fused:  # (half types widened: merged before any rounding)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(_wide(q), _wide(k), _wide(v), 0.0,
-                                                                             False, scale=scale)
-        return out, lse.float()
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(wide_q, _wide(k), _wide(v), 0.0,
+                                                                             False, attn_mask=mask, scale=scale)
+        lse = lse.float()
+        if mask is not None:  # (the kernel gives such rows a log-sum-exp of 0)
+            lse = lse.masked_fill(torch.isneginf(mask).all(-1).expand(lse.shape), float("-inf"))
+        return out, lse
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keys, values = _wide(k).transpose(-2, -1), _wide(v)
     outs, lses = [], []
-    for rows in _wide(q).split(QUERY_CHUNK, dim=-2):
+    for start, rows in zip(range(0, q.shape[-2], QUERY_CHUNK), wide_q.split(QUERY_CHUNK, dim=-2)):
         scores = rows @ keys * scale
-        lses.append(torch.logsumexp(scores, dim=-1))
-        outs.append(torch.softmax(scores, dim=-1) @ values)
+        if mask is not None:
+            scores = scores + (mask if mask.shape[-2] == 1 else mask[..., start:start + rows.shape[-2], :])
+        lse = torch.logsumexp(scores, dim=-1)
+        lses.append(lse)
+        outs.append((torch.softmax(scores, dim=-1) @ values).masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
@@ -162,14 +178,19 @@ def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, rows: list[int],
-                   index: int, group_name: str) -> torch.Tensor:
+                   index: int, group_name: str, mask: torch.Tensor | None = None,
+                   mask_columns: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
     """Attention over a sequence whose keys and values are split over a ring of ``len(rows)`` ranks (``rows[i]``:
     the key rows rank i holds); this rank (``index``) keeps its query rows. The key/value blocks travel round the
     ring: at each step the next block's transfer is launched before this block's attention runs (overlap), and the
     partial results are merged exactly by their log-sum-exp (the online softmax):
-    out = sum_i out_i * exp(lse_i - lse), lse = logsumexp_i(lse_i)."""
+    out = sum_i out_i * exp(lse_i - lse), lse = logsumexp_i(lse_i).
+    ``mask``: this rank's query rows over every key column, in the sequence's order; ``mask_columns[i]``: the
+    columns rank i's key rows are (its part of each block of a packed sequence), picked at the step its block is
+    here. A query row masked out over every key gives 0, as scaled_dot_product_attention does."""
     ranks = len(rows)
     shape_k, shape_v = list(k.shape), list(v.shape)
+    mask = _additive(mask, torch.promote_types(_wide(q).dtype, torch.float32))
     out = lse = None
     holder = index  # whose block this rank holds now
     for step in range(ranks):
@@ -179,13 +200,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             shape_k[-2] = shape_v[-2] = rows[source]
             incoming = (math.prod(shape_k), math.prod(shape_v))
             pending = _pass_on(k, v, incoming, ranks, index, group_name)
-        block_out, block_lse = _attention_block(q, k, v, scale)
+        block_mask = None if mask is None else torch.cat([mask[..., a:b] for a, b in mask_columns[holder]], -1)
+        block_out, block_lse = _attention_block(q, k, v, scale, mask=block_mask)
         if out is None:
             out, lse = block_out, block_lse
         else:  # in place: the running output and this block's are the only float32 buffers held
             merged = torch.logaddexp(lse, block_lse)
-            out = out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(
-                block_out.mul_(torch.exp(block_lse - merged).unsqueeze(-1)))
+            finite = merged.masked_fill(torch.isneginf(merged), 0.0)  # (rows masked out so far: weights 0)
+            out = out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(
+                block_out.mul_(torch.exp(block_lse - finite).unsqueeze(-1)))
             lse = merged
         if pending is not None:
             received = functional.wait_tensor(pending)

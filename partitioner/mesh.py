@@ -6,6 +6,12 @@ Two ways in:
   meshes in one process): the graph's collectives name the mesh's real process groups;
 - a mapping of axis sizes such as ``{"tp": 8}`` plus a ``rank``: planning only, no process group is needed; the
   collectives name symbolic groups (``"plan:tp"``) and the partition cannot be run.
+
+What a plan may ask of the collectives depends on who runs them (``MeshSpec.programs``): ``"rank"`` programs, one per
+rank, run this package's collectives (eager, Inductor, Neuron), which exchange packed and uneven layouts; a
+``"global"`` program (XLA SPMD: one process drives every device) leaves the collectives to XLA's partitioner, which
+tiles every dim in equal pieces. A DeviceMesh plans rank programs; axis sizes plan the global program unless
+``programs="rank"`` is asked for (the planner, ``partitioner.plan`` on a DeviceMesh).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from .errors import MeshError
 BATCH_AXES = ("dp", "cfg")  # data parallelism; "cfg" names it for classifier-free guidance's batch halves
 SEQUENCE_AXES = ("ring", "ulysses")  # sequence parallelism: ring attention, Ulysses all-to-all (innermost)
 KNOWN_AXES = ("tp",) + SEQUENCE_AXES + BATCH_AXES
+PROGRAMS = ("rank", "global")
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,11 @@ class MeshSpec:
     rank: int
     group_names: Mapping[str, str] | None  # None: planning only
     device_type: str = "cpu"
+    programs: str = "rank"  # "rank": one program per rank, this package's collectives; "global": XLA SPMD
+
+    def __post_init__(self):
+        if self.programs not in PROGRAMS:
+            raise MeshError(f"programs={self.programs!r}: use one of {list(PROGRAMS)}")
 
     @property
     def world_size(self) -> int:
@@ -42,6 +54,11 @@ class MeshSpec:
     @property
     def runnable(self) -> bool:
         return self.group_names is not None
+
+    @property
+    def per_rank(self) -> bool:
+        """The plan is for one program per rank, whose collectives this package inserts (not XLA's)."""
+        return self.programs == "rank"
 
     @property
     def device(self) -> torch.device:
@@ -102,8 +119,10 @@ def _check_contiguous_ulysses(spec: MeshSpec) -> MeshSpec:
     return spec
 
 
-def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
-    """Normalise a DeviceMesh or a mapping of axis sizes into a ``MeshSpec``."""
+def as_mesh_spec(mesh, rank: int = 0, programs: str | None = None) -> MeshSpec:
+    """Normalise a DeviceMesh or a mapping of axis sizes into a ``MeshSpec``; ``programs`` (``"rank"`` or
+    ``"global"``) overrides what the mesh's kind implies (rank programs for a DeviceMesh, the global program for
+    axis sizes)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
@@ -124,6 +143,7 @@ def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
             rank=torch.distributed.get_rank(),
             group_names={name: mesh.get_group(name).group_name for name in names},
             device_type=mesh.device_type,
+            programs=programs or "rank",
         ))
     if isinstance(mesh, Mapping):
         names = tuple(mesh)
@@ -140,5 +160,6 @@ def as_mesh_spec(mesh, rank: int = 0) -> MeshSpec:
             raise MeshError(f"rank must be an integer, got {rank!r}")
         if not 0 <= rank < world:
             raise MeshError(f"rank {rank} is outside the mesh {dict(mesh)} of {world} ranks")
-        return _check_contiguous_ulysses(MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None))
+        return _check_contiguous_ulysses(MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None,
+                                                  programs=programs or "global"))
     raise MeshError(f"mesh must be a DeviceMesh or a mapping of axis sizes such as {{'tp': 2}}, got {type(mesh).__name__}")

@@ -153,7 +153,7 @@ def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int =
                      profile: cost.DeviceProfile | None = None):
     """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost), its
     communication overlapped as ``profile``'s costs say (the one the layout is costed on)."""
-    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
+    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0, programs="rank")
     return partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)), mesh,
                             model_name, overlap=Overlap(profile=profile or DEFAULT_PROFILE))
 

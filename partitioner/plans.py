@@ -34,13 +34,20 @@ class Plan:
     version: int = VERSION
     # with two sequence axes (ring x ulysses), each axis's seeds; ``sequence_seeds`` then holds the innermost's
     sequence_seeds_by_axis: dict[str, dict[str, int]] | None = None
+    # read-only, derived again when applied: rows between the tp regions, and each input's batch split (dp/cfg)
+    tp_sequence: str = ""
+    reduce_scattered: dict[str, str] = field(default_factory=dict)
+    batch_split: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, partitioned) -> "Plan":
-        ctx = partitioned.ctx
+        """The decisions a ``Partitioned`` (or the ``PassContext`` of the planning passes) holds."""
+        ctx = getattr(partitioned, "ctx", partitioned)
         by_axis = dict(ctx.sequence_seeds_by_axis) if len(ctx.sequence_seeds_by_axis) > 1 else None
         return cls(dict(ctx.mesh.sizes), dict(ctx.linear_styles), dict(ctx.sequence_seeds),
-                   dict(ctx.sequence_attention), dict(ctx.bounds), sequence_seeds_by_axis=by_axis)
+                   dict(ctx.sequence_attention), dict(ctx.bounds), sequence_seeds_by_axis=by_axis,
+                   tp_sequence=ctx.tp_sequence, reduce_scattered=dict(ctx.reduce_scattered),
+                   batch_split=dict(ctx.batch_split))
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -83,12 +90,19 @@ class Plan:
 
 
 def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
-         dump_dir=None) -> Plan:
-    """The decisions ``partition`` would take for ``mesh`` (a DeviceMesh or axis sizes), as a ``Plan``; no process
-    group is used and no weights are needed (a meta model plans as well)."""
-    from torch.distributed.device_mesh import DeviceMesh
+         buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None) -> Plan:
+    """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
+    planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
+    group) plans rank programs, axis sizes XLA's global program, exactly as ``partition`` does; no process group is
+    used or created, nothing is compared between ranks, and no weights are needed (a meta model plans as well)."""
+    from .api import decide, trace_bucketed
+    from .mesh import as_mesh_spec
+    from .padding import parse_buckets
+    from .passes.plan_sequence import warn_whole_attentions
 
-    from .api import partition
-
-    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape)) if isinstance(mesh, DeviceMesh) else dict(mesh)
-    return Plan.of(partition(model, sizes, example_inputs, plan=plan, bounds=bounds, dump_dir=dump_dir))
+    spec, buckets = as_mesh_spec(mesh, rank), parse_buckets(buckets)
+    ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
+        traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
+        overlap=overlap)[0])
+    warn_whole_attentions(ctx)
+    return Plan.of(ctx)

@@ -33,6 +33,7 @@ class Sweep:
     decisions: dict[Node, Decision] = field(default_factory=dict)
     visible: dict[Node, object] = field(default_factory=dict)  # what each node's consumers see
     failures: list[Failure] = field(default_factory=list)
+    provenance: dict[Node, frozenset] = field(default_factory=dict)  # sharded value -> the seeds it carries
 
 
 def sweep(gm: GraphModule, rule_of: Callable[[Node], Callable], degree: int, *,
@@ -41,7 +42,7 @@ def sweep(gm: GraphModule, rule_of: Callable[[Node], Callable], degree: int, *,
     """One pass over ``gm``. ``rule_of(node)`` gives the rule; ``adjust`` lets the planner change what consumers see
     (a gathered Linear, a sliced seed) through ``Decision.visible``; ``is_seed`` says which values start a sharding."""
     result = Sweep()
-    provenance: dict[Node, frozenset] = {}  # sharded value -> the seeds whose sharding it carries
+    provenance = result.provenance
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             decision = Decision(R)

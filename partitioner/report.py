@@ -10,6 +10,7 @@ import torch
 from torch.fx import GraphModule
 
 from .context import PassContext
+from .mesh import SEQUENCE_AXES
 from .placement import is_sharded, local_shape
 
 
@@ -36,6 +37,9 @@ class Report:
     buckets: dict[str, str] = field(default_factory=dict)  # "input dim d" -> its buckets and the ops reading it
     # every rank's parameter elements and bytes, in rank order (uneven splits give ranks different shares)
     rank_parameters: list[tuple[int, int]] = field(default_factory=list)
+    # attentions sequence-sharded over every sequence axis, of all (None without a sequence axis), and why not
+    attentions_sharded: tuple[int, int] | None = None
+    attentions_whole: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_parameter_bytes(self) -> int:
@@ -73,6 +77,12 @@ class Report:
         if not self.collectives:
             lines.append("  (none)")
         lines.append(f"  activation peak per rank (estimate): {human_bytes(self.activation_peak_bytes)}")
+        if self.attentions_sharded is not None:
+            sharded, total = self.attentions_sharded
+            first = next(iter(self.attentions_whole.items()), None)
+            lines.append(f"  attentions sequence-sharded {sharded}/{total}"
+                         + (f" (left whole: {first[0]}: {first[1]}{' ...' if total - sharded > 1 else ''})"
+                            if first else ""))
         if self.hoisted:
             lines.append(f"  host prologue (CPU): {len(self.hoisted)} nodes; "
                          + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
@@ -273,7 +283,17 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
             replicated += size
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
                   activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {},
-                  dict(ctx.specializations), _buckets(ctx), rank_parameters(gm, ctx))
+                  dict(ctx.specializations), _buckets(ctx), rank_parameters(gm, ctx),
+                  _attentions_sharded(ctx), dict(ctx.sequence_whole))
+
+
+def _attentions_sharded(ctx: PassContext) -> tuple[int, int] | None:
+    """(attentions sequence-sharded over every sequence axis, attentions), without a sequence axis None."""
+    if not any(ctx.mesh.size(axis) > 1 for axis in SEQUENCE_AXES):
+        return None
+    from .passes.plan_sequence import attention_counts
+
+    return attention_counts(ctx)
 
 
 def _buckets(ctx: PassContext) -> dict[str, str]:

@@ -79,7 +79,7 @@ def test_strided_ulysses_groups_rejected(h3):
 def test_ulysses_degree_above_head_count(h3):
     """A Ulysses degree above every attention's head count leaves the attentions whole (exact), warns that the
     axis is wasted, and explain() names the module and both sizes."""
-    with pytest.warns(PartitionWarning, match=r"ulysses degree of 8 shards no attention .* 4 attention heads"):
+    with pytest.warns(PartitionWarning, match=r"ulysses=8 shards none of the 3 attentions.* 4 attention heads.*smaller degree"):
         partitioned = partition(h3[0], {"ulysses": 8}, ((), h3[1]))
     assert "4 attention heads cannot be spread over a ulysses degree of 8 (at most 4)" in \
         partitioned.explain("token_refiner.refiner_blocks.0.attn")

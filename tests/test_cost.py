@@ -150,21 +150,22 @@ def full_h3_768p():
 
 
 def test_ulysses_speedup_on_trainium2_comes_from_the_chips_links(full_h3_768p):
-    """Full-size H3, 37888 rows, on trn2: TP=8 -> TP=8 x Ulysses=4. Compute falls 3.7x (attention 3.5x: a TP
-    rank's 7 heads are 2 per Ulysses rank), but the TP all-reduces do not get faster: at TP=8 the 8 ranks fill two
-    chips and only the chip boundary is crossed, while at TP=8 x Ulysses=4 each TP group spans 8 chips and every
-    chip's link carries its 4 groups. Predicted 2.88x (the old bytes/bandwidth formula said 3.66x; Trainium2
-    measured 2.36x for the whole generation)."""
+    """Full-size H3, 37888 rows, on trn2: TP=8 -> TP=8 x Ulysses=4, each planned for rank programs. At TP=8 the
+    rows between the blocks are split over the tp ranks too (reduce_scatter + all_gather in place of each
+    all_reduce: the norms and modulation run on 1/8 of the rows), so compute falls 3.2x, not the 3.7x of the
+    attention and MLPs alone; and the TP collectives do not get faster: at TP=8 the 8 ranks fill two chips and only
+    the chip boundary is crossed, while at TP=8 x Ulysses=4 each TP group spans 8 chips and every chip's link
+    carries its 4 groups. Predicted 2.45x (the old bytes/bandwidth formula said 3.66x; Trainium2 measured 2.36x for
+    the whole generation)."""
     name = "MiniMaxH3Transformer3DModel"
     tp8 = planner.estimate(full_h3_768p, name, 8, 1)
     both = planner.estimate(full_h3_768p, name, 8, 4)
     assert tp8.profile == both.profile == "trn2"
-    assert 3.6 < tp8.compute_s / both.compute_s < 3.9
-    assert both.comm_s_by_kind["all_reduce"] > tp8.comm_s_by_kind["all_reduce"]
+    assert set(tp8.comm_s_by_kind) >= {"reduce_scatter", "all_gather"}  # sequence-parallel TP between the blocks
+    assert 3.0 < tp8.compute_s / both.compute_s < 3.4
+    assert both.comm_s_by_kind["all_reduce"] > tp8.comm_s  # the TP collectives cross every chip
     assert both.comm_s_by_kind["all_to_all"] < 0.05 * both.comm_s_by_kind["all_reduce"]  # inside a chip
     speedup = tp8.step_s / both.step_s
-    assert 2.6 < speedup < 3.1, speedup
+    assert 2.3 < speedup < 2.6, speedup
     figures = both.as_dict()
     assert len(figures["ranks"]) == 32 and figures["exposed_comm_s"] <= figures["comm_s"]
-    # at TP=8 the schedule hides most of the all_reduces behind the norms and modulation around them
-    assert tp8.exposed_comm_s < 0.6 * tp8.comm_s

@@ -166,13 +166,20 @@ def test_with_ulysses_tp_rows_nest_inside_its_shards(free_links):
     assert q.args[0].target is collectives.all_gather_wait and q.args[0].meta["val"].shape[1] == 128
 
 
-def test_planning_only_meshes_keep_rows_whole(free_links):
-    """Axis sizes (the planner, the XLA backend) keep the plan XLA is handed unchanged."""
+def test_xla_global_program_keeps_rows_whole_and_rank_programs_on_axis_sizes_do_not(free_links):
+    """Axis sizes plan XLA's global program by default: the plan XLA is handed is unchanged. The planner plans rank
+    programs on axis sizes (``programs="rank"``), as a DeviceMesh partition would: rows sharded where it pays."""
     import partitioner
+    from partitioner.api import partition_traced
+    from partitioner.mesh import as_mesh_spec
+    from partitioner.trace import trace
 
     model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
     partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), overlap={"profile": free_links})
-    assert "planning-only mesh" in partitioned.ctx.tp_sequence
+    assert "XLA's global program" in partitioned.ctx.tp_sequence
+    ranked = partition_traced(trace(model, ((), inputs)), as_mesh_spec({"tp": 2}, programs="rank"), "h3",
+                              overlap={"profile": free_links})
+    assert ranked.ctx.tp_sequence.startswith("rows sharded over tp"), ranked.ctx.tp_sequence
 
 
 def test_a_reduce_scatter_is_sized_by_what_it_sums(free_links):

@@ -3,8 +3,9 @@ per-model code in TP=2, Ulysses=2 and TP=2 x Ulysses=2, exact on every rank agai
 refused with a documented reason (below). Two gloo pools (2 and 4 ranks) serve every case, so the zoo pays process
 start-up twice. Tolerance 1e-5 relative to the output's magnitude, float32 with sums reordered (test_tp_numerics).
 
-Where Ulysses shards attention is checked too (``SEQUENCE_SHARDED``): at least that many attentions of the model
-run sequence-sharded, so a rule change that silently stops sharding them fails here.
+The Ulysses modes run at odd lengths (``ODD``: 7 text rows, parts with different remainders over the degree, as
+pipelines pass them), and every attention of the model must run sequence-sharded (``SEQUENCE_SHARDED`` pins how
+many there are), so a rule change that silently stops sharding one fails here.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ REFUSED = {
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
 # (H3's text refiner on its own text rows, gathered once after it). Sana's self-attention is linear attention (not
 # SDPA): its rows stay split through it and through the depthwise convolution (a halo exchange), so its
-# cross-attentions run on this rank's query rows.
+# cross-attentions run on this rank's query rows. Mochi's time-embedding pooling (one query over the text rows) has no
+# rows to split: it runs whole on every rank and is not counted.
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
                     "hunyuan_video": 5, "sana": 2, "lumina2": 4, "mochi": 2}
+# odd lengths for the sequence-parallel modes: 7 text rows (and H3's 5 text, 15 video, 5 audio rows)
+ODD = {"minimax_h3": dict(text=5, video=15, audio=5)}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,8 @@ def pools():
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_model_is_exact_or_refused_for_a_documented_reason(pools, name, mode):
     shape, names = MODES[mode]
-    results = pools[math.prod(shape)].run(partition_case, name, shape, names)
+    sizes = ODD.get(name, dict(text=7)) if "ulysses" in names else None
+    results = pools[math.prod(shape)].run(partition_case, name, shape, names, sizes)
     if name in REFUSED:
         error_type, where = REFUSED[name]
         assert all(r["status"] == "refused" and r["error_type"] == error_type for r in results), results[0]
@@ -51,7 +56,7 @@ def test_zoo_model_is_exact_or_refused_for_a_documented_reason(pools, name, mode
     for rank, result in enumerate(results):
         assert result["status"] == "exact", (rank, result)
     if "ulysses" in names:
-        assert results[0]["attention_sharded"] >= SEQUENCE_SHARDED.get(name, 0), results[0]["unsharded"]
+        assert results[0]["attention_sharded"] == results[0]["attentions"] == SEQUENCE_SHARDED[name], results[0]
         if name == "sana":  # the linear attentions' states summed, the depthwise convolutions' rows borrowed
             assert {"all_reduce:ulysses", "halo_exchange:ulysses"} <= set(results[0]["collectives"]), results[0]
     if "tp" in names:

@@ -38,7 +38,9 @@ from ..context import PassContext
 from ..errors import InvariantError
 from ..mesh import SEQUENCE_AXES
 from ..rules.pointwise import SAME_AS_INPUT
-from .plan_sequence import ancestors, sequence_lengths
+from ..rules import rule_for
+from ..sequence_dims import find_sequence_dims
+from .plan_sequence import ancestors
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -47,19 +49,29 @@ _CASTS = set(SAME_AS_INPUT) - {aten.zeros_like.default, aten.ones_like.default, 
 
 
 def _scatters(gm: GraphModule, ctx: PassContext) -> list[Node]:
-    """The index_copy nodes along a self-attention's sequence length that feed an attention (not this pass's own
-    per-row owner tables, nor one whose reads of a bucket-padded input are checked by name)."""
+    """The index_copy nodes along the rows of an attention they feed (not this pass's own per-row owner tables, nor
+    one whose reads of a bucket-padded input are checked by name)."""
     attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION]
-    lengths, feeds = sequence_lengths(gm, attentions, parts=False)[0], ancestors(attentions)
-    found = []
-    for node in gm.graph.nodes:
-        if node.target is not aten.index_copy.default or node not in feeds or node.name in ctx.padding_reads \
-                or node.meta.get("row_owners"):
+    feeds = ancestors(attentions)
+    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    axis = next(axis for axis in ctx.mesh.axis_names if axis in SEQUENCE_AXES and ctx.mesh.size(axis) > 1)
+    rows = find_sequence_dims(gm, lambda node: rule_for(node, sequence_axis=axis),
+                              skip=model_tensors.__contains__)
+    along = {}  # index_copy -> its dim, when that dim carries an attention's rows
+    for node in reversed(gm.graph.nodes):
+        if not _is_scatter(node) or node not in feeds:
             continue
-        shape, dim = node.meta["val"].shape, node.args[1] % node.meta["val"].dim()
-        if shape[dim] in lengths and node.args[2].meta["val"].dim() == 1:
-            found.append(node)
-    return found
+        dim = node.args[1] % node.meta["val"].dim()
+        # the rows an index_copy writes into are its output's (H3 writes text, video and audio rows in turn)
+        if (rows.dim(node) == dim and node in rows.direct) or any(along.get(user) == dim for user in node.users
+                                                                   if user.args[0] is node):
+            along[node] = dim
+    return [node for node in gm.graph.nodes if node in along and node.name not in ctx.padding_reads
+            and not node.meta.get("row_owners") and node.args[2].meta["val"].dim() == 1]
+
+
+def _is_scatter(node: Node) -> bool:
+    return node.target is aten.index_copy.default
 
 
 def _call(graph, target, args: tuple, kwargs: dict | None = None, like: Node | None = None, fake_mode=None,

@@ -381,11 +381,22 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         if len(axes) > 1:
             raise PartitionError(f"{node.name}: keys sharded over several ring axes {axes}")
         axis = axes[0]
-        rows = _axis_sizes(k, node.meta["required"][axis][k], axis, ctx)
+        keys = node.meta["required"][axis][k]
+        rows = _axis_sizes(k, keys, axis, ctx)
+        mask = _attention_mask(node)
+        size = _split_size(k, keys, axis, ctx)  # each rank's key columns of the mask: its part of every block
+        columns = [shard_slices(keys, size, ctx.mesh.size(axis), holder) for holder in range(ctx.mesh.size(axis))]
         node.target = collectives.ring_attention
-        node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis))
+        node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis),
+                     *((mask, columns) if mask is not None else ()))
         node.kwargs = {}
         node.meta["collective"] = ("ring_pass", axis)
+
+
+def _attention_mask(node: Node) -> Node | None:
+    """The attn_mask argument of a scaled_dot_product_attention node, if any."""
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, Node) else None
 
 
 def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:

@@ -8,19 +8,21 @@ keeps every rank's rows and sends key/value blocks round the ring (``rules/atten
 
 How the plan is found:
 
-1. The sequence lengths are those of the self-attentions (query length == key length); in a model whose only
-   attentions are cross-attentions, those of their queries.
-2. Candidates: every user input and op result that feeds an attention and has exactly one dim of such a length;
-   each is offered sharded along that dim. Where a candidate's own result is replicated it is sliced, for free.
+1. Which dim of each value holds an attention's rows is read from the graph (``partitioner.sequence_dims``: from
+   every attention's q, k and v back to what they are computed from, through each op's own rule), never from
+   sizes: a row count equal to a head count or a feature width changes nothing.
+2. Candidates: every user input and op result that feeds an attention and has such a dim; each is offered sharded
+   along it. Where a candidate's own result is replicated it is sliced, for free.
 3. Placements propagate with the sequence-axis rules (linears and norms act row by row; Ulysses attention
    exchanges q/k/v to head sharding with all_to_all and its output back). A candidate whose sharding reaches,
    *before an attention*, an op that cannot carry it is dropped and the sweep reruns: for MiniMax-H3 that is the
    ``index_copy`` scatter that builds the packed sequence from sequence-wide indices, so the sequence is sharded
    once it is built, and the per-row values (AdaLN row indices, rotary angles, norm_out's timestep indices) are
    sliced at their source, without communication.
-   A joint sequence concatenated from parts (an MMDiT's text and image rows) is sharded part by part: the joint
-   value is a packed shard, exchanged around attention in rank order (attention does not see the permutation)
-   and split back into its parts without communication. Only on DeviceMesh partitions (see ``run``).
+   A joint sequence joined from parts (an MMDiT's text and image rows) is sharded part by part, each part as
+   evenly as it splits (333 text rows over 2 ranks: 167 + 166): the joint value is a packed shard, exchanged
+   around attention in rank order (attention does not see the permutation) and split back into its parts without
+   communication. Only for rank programs (see ``run``).
 4. *After* the last attention such an op gets the sequence gathered just before it: as late as possible, so it
    moves the fewest bytes (for H3 after the output heads, before the ``index_select`` of video and audio rows).
 """
@@ -34,57 +36,15 @@ from torch.fx import GraphModule, Node
 
 from ..context import PassContext
 from ..mesh import SEQUENCE_AXES
-from ..placement import Replicate, Shard, any_sharded
+from ..placement import PackedShard, Replicate, Shard, any_sharded
 from ..propagate import sweep
 from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
 from ..rules.pointwise import SIZE_ARGUMENT
-from ..rules.views import slice_bounds
+from ..sequence_dims import SequenceDims, find_sequence_dims
 
 R = Replicate()
-
-
-def sequence_lengths(gm: GraphModule, attentions: list[Node], parts: bool = True
-                      ) -> tuple[set[int], set[int], set[int]]:
-    """All sequence lengths, the lengths of the parts a joint sequence is concatenated from (text and image rows of
-    an MMDiT) that are no attention's own, and the joint lengths: each part is offered sharded on its own, so the
-    joint sequence is a packed shard whose blocks split back into the parts without communication."""
-    lengths = set()
-    for node in attentions:
-        q, k = shape_of(node.args[0]), shape_of(node.args[1])
-        if len(q) == 4 and q[2] == k[2]:
-            lengths.add(q[2])
-    if not lengths:  # only cross-attentions (Sana's self-attention is linear attention): their query rows
-        lengths = {shape_of(node.args[0])[2] for node in attentions if len(shape_of(node.args[0])) == 4}
-    joint, own = set(), set(lengths)
-    for _ in range(2 if parts else 0):  # a part may itself be concatenated
-        for node in gm.graph.nodes:
-            found = _joined(node)
-            # (a sequence is never the last dim: a cat there joins features, e.g. rotary frequencies)
-            if found and shape_of(node)[found[0]] in lengths and found[0] != len(shape_of(node)) - 1:
-                joint.add(shape_of(node)[found[0]])
-                lengths |= found[1]
-    return lengths, lengths - own, joint
-
-
-def _joined(node: Node) -> tuple[int, set[int]] | None:
-    """The dim and the part lengths of a sequence joined from parts: a cat of several values, or rows written
-    into a buffer (``joint[:, :text] = text; joint[:, text:] = image``: the rows before, written and after)."""
-    shape = shape_of(node)
-    if not shape:
-        return None
-    if node.target is torch.ops.aten.cat.default and len(node.args[0]) > 1:
-        dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
-        parts = {shape_of(part)[dim] for part in node.args[0] if shape_of(part)}
-        return (dim, parts) if 0 not in parts else None
-    if node.target is torch.ops.aten.slice_scatter.default:
-        dim = (node.args[2] if len(node.args) > 2 else 0) % len(shape)
-        bounds = slice_bounds(node, shape[dim], dim_arg=2)
-        if bounds and bounds != (0, shape[dim]):
-            start, end = bounds
-            return dim, {size for size in (start, end - start, shape[dim] - end) if size}
-    return None
 
 
 def ancestors(nodes: list[Node]) -> set[Node]:
@@ -98,32 +58,48 @@ def ancestors(nodes: list[Node]) -> set[Node]:
     return seen
 
 
-def _candidates(gm: GraphModule, ctx: PassContext, lengths: set[int], parts: set[int],
-                feeds_attention: set[Node]) -> dict:
-    """Values offered sharded along their sequence dim: node -> dim."""
-    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
-    candidates = {}
-    for node in feeds_attention - model_tensors:
-        shape = shape_of(node) or ()
-        for tier in (lengths - parts, parts):  # an attention's own length first, then a part of a joint one
-            dims = [d for d, size in enumerate(shape) if size in tier]
-            if dims:
-                if len(dims) == 1:
-                    candidates[node] = dims[0]
-                break
-    return candidates
+def _candidates(rows: SequenceDims, feeds_attention: set[Node], parts: bool) -> dict[Node, int]:
+    """Values offered sharded along their rows, by the graph's dims (``sequence_dims``): every value whose rows are
+    an attention's query rows or are computed from such rows (a self-attention's keys and values, the video rows
+    audio queries attend over); the parts a joint sequence is joined from only with ``parts``. Rows that are only
+    ever keys and values (a text every image row attends to) stay whole: each rank's query rows attend over them
+    with no communication, where sharding them would only add exchanges."""
+    return {node: dim for node in feeds_attention & rows.attended if (dim := rows.dim(node)) is not None
+            and (parts or node in rows.direct)}
+
+
+def _seed_rows(rows: SequenceDims, gm: GraphModule):
+    """For each seed, what its rows feed (the attentions they reach and all they read: its ``own`` values), so that a
+    value sharded along them is gathered only after the last of those attentions."""
+    cache: dict[frozenset, set[Node]] = {}
+
+    def own(seed: Node) -> set[Node]:
+        reached = frozenset(rows.attentions.get(seed, ()))
+        if reached not in cache:
+            cache[reached] = ancestors(list(reached)) | set(reached)
+        return cache[reached]
+    return own
+
+
+def _unpacked(decision: Decision, node: Node) -> Decision:
+    """On an inner sequence axis no joint sequence is packed from its parts: packed blocks name global sizes, which
+    the outer axis has split already (the parts' rows are gathered once their own attentions are done)."""
+    outputs = decision.output if isinstance(decision.output, tuple) else (decision.output,)
+    if any(isinstance(p, PackedShard) and len(p.blocks) > 1 for p in outputs):
+        raise Unshardable(f"{node.name} joins parts of a sequence, packed on the outer sequence axis only")
+    return decision
 
 
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
-               refused: dict[Node, str], joint: set[int], feeds_length: dict[int, set[Node]], gathered: set[Node]):
+               refused: dict[Node, str], rows: SequenceDims, own, gathered: set[Node], gather_done: bool,
+               packs: bool):
     """One sweep (``partitioner.propagate``): decisions, the seeds that failed before an attention (with why), and
     the values to gather once their own attentions are done.
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
     refuses its sequence-sharded inputs is recorded in ``refused``; after the last attention a refusal just gathers
-    the sequence back. So does a refusal after the last attention *of the length a seed shards* (``feeds_length``:
-    length -> the attentions of that query length and what they read): the value reaching it is gathered right
-    where it is made (``gathered``), its own attention having run sharded (H3's text refiner, whose rows are then
-    packed into the main sequence by index)."""
+    the sequence back. With ``gather_done``, so does a refusal after the last attention *a seed's rows reach*
+    (``own``): the value reaching it is gathered right where it is made (``gathered``), its own attention having
+    run sharded (H3's text refiner, whose rows are then packed into the main sequence by index)."""
     def adjust(node: Node, decision: Decision) -> Decision:
         if node in seeds and not any_sharded(decision.seen):
             if node.target in SIZE_ARGUMENT:  # a buffer (H3's packed sequence) is made at this rank's size
@@ -134,8 +110,11 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
             decision.visible = R
         return decision
 
-    swept = sweep(gm, lambda node: rule_for(node, sequence_axis=axis), ctx.mesh.size(axis), adjust=adjust,
-                  is_seed=lambda node, decision: node in seeds)
+    def rule_of(node: Node):
+        rule = rule_for(node, sequence_axis=axis)
+        return rule if packs else lambda node, placements, size: _unpacked(rule(node, placements, size), node)
+
+    swept = sweep(gm, rule_of, ctx.mesh.size(axis), adjust=adjust, is_seed=lambda node, decision: node in seeds)
     failed, to_gather = {}, set()
     for failure in swept.failures:
         problem = failure.problem
@@ -146,19 +125,20 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
         if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
             refused[failure.node] = str(problem)
         if failure.node in feeds_attention:
-            # a joint-length value sharded whole meets the packed parts: it gives way (it is sliced to them)
-            whole = {s for s in failure.seeds if shape_of(s)[seeds[s]] in joint}
+            # a value sharded whole along a joint sequence meets the packed parts: it gives way (sliced to them)
+            whole = {s for s in failure.seeds if s in rows.joined}
             culprits = whole if whole and whole != failure.seeds else failure.seeds
-            # a value sharded along another length than the failing op's own gives way to the ones along it
-            # (H3's text rows, whose own attention is not sharded, meet the packed rows gathered from them)
-            other = {s for s in culprits if shape_of(s)[seeds[s]] not in (shape_of(failure.node) or ())}
+            # a value whose rows reach none of the failing op's attentions gives way to the ones that do (H3's text
+            # rows, whose own attention is not sharded, meet the packed rows gathered from them)
+            reached = rows.attentions.get(failure.node, set())
+            other = {s for s in culprits if not rows.attentions.get(s, set()) & reached}
             for seed in (other if other and other != culprits else culprits):
-                done = _done_with(failure.node, seed, shape_of(seed)[seeds[seed]], feeds_length, swept.visible)
+                done = _done_with(failure.node, seed, own(seed), swept) if gather_done else set()
                 if done:
                     to_gather |= done
                 else:
                     failed.setdefault(seed, f"{failure.node.name}: {problem}")
-    parts = {s: r for s, r in failed.items() if shape_of(s)[seeds[s]] not in joint}
+    parts = {s: r for s, r in failed.items() if s not in rows.joined}
     if parts and len(parts) < len(failed):  # drop failing parts first: a whole joint value may work without them
         failed = parts
     if failed:  # seeds dropped first; what their dropping leaves to gather is found again
@@ -166,16 +146,15 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     return swept.decisions, failed, to_gather
 
 
-def _done_with(node: Node, seed: Node, length: int, feeds_length: dict[int, set[Node]], visible) -> set[Node]:
-    """The inputs of ``node`` sharded along ``length`` when ``seed`` reaches an attention of that length and
-    ``node`` comes after all of them: gathering those inputs serves ``node`` and keeps the attentions sharded.
-    Empty when the seed must be dropped instead, or when such an input still feeds an attention of that length
-    (gathered, every consumer would see it whole)."""
-    own = feeds_length.get(length, set())
+def _done_with(node: Node, seed: Node, own: set[Node], swept) -> set[Node]:
+    """The inputs of ``node`` that carry ``seed``'s sharding when ``node`` comes after every attention the seed's
+    rows reach (``own``: those attentions and all they read): gathering those inputs serves ``node`` and keeps the
+    attentions sharded. Empty when the seed must be dropped instead, or when such an input still feeds one of
+    those attentions (gathered, every consumer would see it whole)."""
     if seed not in own or node in own:
         return set()
-    inputs = {n for n in node.all_input_nodes if any_sharded(visible.get(n, R))
-              and (shape_of(n) or ())[getattr(visible[n], "dim", 0)] == length}
+    inputs = {n for n in node.all_input_nodes if any_sharded(swept.visible.get(n, R))
+              and seed in swept.provenance.get(n, ())}
     return set() if inputs & own else inputs
 
 
@@ -187,32 +166,56 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
+SINGLE_QUERY = "whole on every rank: a single query row (a pooling) has no rows to split"
+
+
+def attention_counts(ctx: PassContext) -> tuple[int, int]:
+    """(attentions sequence-sharded over every sequence axis, attentions with query rows to split)."""
+    total = sum(SINGLE_QUERY not in how for how in ctx.sequence_attention.values())
+    return total - len(ctx.sequence_whole), total
+
+
+def warn_whole_attentions(ctx: PassContext, stacklevel: int = 3) -> None:
+    """One ``PartitionWarning`` when attentions are left whole over a sequence axis: an exact run that shards
+    nothing is no parallelism, and says so unasked (``partition`` and ``plan`` call this)."""
+    if not ctx.sequence_whole:
+        return
+    axes = " x ".join(f"{a}={ctx.mesh.size(a)}" for a in ctx.mesh.axis_names
+                      if a in SEQUENCE_AXES and ctx.mesh.size(a) > 1)
+    sharded, total = attention_counts(ctx)
+    whole = total - sharded
+    what = (f"{axes} shards none of the {total} attentions" if whole == total
+            else f"{whole} of {total} attentions are not sequence-sharded over {axes}")
+    reasons = list(dict.fromkeys(f"{where}: {why}" for where, why in ctx.sequence_whole.items()))
+    warnings.warn(f"{what}: every rank repeats their work (the result is exact). " + "; ".join(reasons[:3])
+                  + (" ..." if len(reasons) > 3 else "") + (". Use a smaller degree or drop the axis" if whole == total
+                                                             else "") + "; explain() lists each",
+                  PartitionWarning, stacklevel=stacklevel)
+
+
 def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) -> None:
     """Plan one sequence axis. A joint sequence is packed from its parts only on the first axis that shards:
     packed blocks name global sizes, which an inner axis (Ulysses inside a ring shard) does not split."""
     attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     seeds: dict[Node, int] = {}
     feeds_attention = ancestors(attentions) | set(attentions)
-    # Packed joint sequences are exchanged by this package's own collectives; the XLA backend (meshes given as
-    # axis sizes, one process driving every device) lets XLA place collectives and does not lay them out yet.
-    lengths, parts, joint = sequence_lengths(gm, attentions, parts=ctx.mesh.runnable and joint_parts)
-    small = {size for size in parts if size < ctx.mesh.size(axis)}  # (a register token: no rows for some ranks)
-    lengths, parts = lengths - small, parts - small
+    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    rows = find_sequence_dims(gm, lambda node: rule_for(node, sequence_axis=axis),
+                              skip=model_tensors.__contains__)
+    # Packed joint sequences and values gathered once their attentions are done are exchanged by this package's own
+    # collectives: a plan for XLA's global program (equal tiles, XLA's collectives) shards joint sequences whole.
     given = (ctx.given_sequence_seeds_by_axis or {}).get(axis, ctx.given_sequence_seeds)
     if ctx.mesh.size(axis) > 1:
         seeds = (_given_seeds(gm, given) if given is not None
-                 else _candidates(gm, ctx, lengths, parts, feeds_attention))
+                 else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts))
     refused: dict[Node, str] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
-    # (Only on DeviceMesh partitions: XLA's equal tiles would refuse a ring over a short text of any length.)
-    by_length: dict[int, list[Node]] = {}
-    for attention in attentions if ctx.mesh.runnable else ():
-        by_length.setdefault(shape_of(attention.args[0])[2], []).append(attention)
-    feeds_length = {length: ancestors(nodes) | set(nodes) for length, nodes in by_length.items()}
+    own = _seed_rows(rows, gm)
     gathered: set[Node] = set()
     while True:
-        decisions, failed, to_gather = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, joint,
-                                                  feeds_length, gathered)
+        decisions, failed, to_gather = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, rows, own,
+                                                  gathered, gather_done=ctx.mesh.per_rank,
+                                                  packs=ctx.mesh.per_rank and joint_parts)
         if failed and given is not None:
             raise PartitionError(f"the plan's sequence sharding over {axis!r} cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))
@@ -255,7 +258,9 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
         decision = decisions[node]
-        if decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
+        if shape_of(node.args[0])[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
+            found[where] = SINGLE_QUERY
+        elif decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             found[where] = "sequence-sharded (Ulysses all_to_all)"
         elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(node.args[1], R)):
             found[where] = "sequence-sharded (ring attention: key/value blocks passed round the ring)"
@@ -270,18 +275,17 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
                                " (no input of it has the sequence length)"))
     several = sum(ctx.mesh.size(a) > 1 for a in ctx.mesh.axis_names if a in SEQUENCE_AXES) > 1
     for where, how in found.items():
+        if not how.startswith("sequence-sharded") and how != SINGLE_QUERY:
+            why = how.removeprefix("not sequence-sharded: ").removeprefix(f"{where}: ")
+            ctx.sequence_whole.setdefault(where, f"{axis}: {why}")
         if several:
             how = "; ".join(filter(None, [ctx.sequence_attention.get(where), f"{axis}: {how}"]))
         ctx.sequence_attention[where] = how
-    if attentions and not any(how.startswith("sequence-sharded") for how in found.values()):
+    if attentions and axis in RING_AXES and not any(how.startswith("sequence-sharded") for how in found.values()):
         reasons = sorted({how.removeprefix("not sequence-sharded: ") for how in found.values()})
-        if axis in RING_AXES:
-            raise PartitionError(f"a ring of {ctx.mesh.size(axis)} shards no attention of this model: "
-                                 + "; ".join(reasons[:4]) + "; use a smaller ring degree (at most the shortest "
-                                 "sequence) or drop the ring axis")
-        warnings.warn(f"a {axis} degree of {ctx.mesh.size(axis)} shards no attention of this model, so its ranks "
-                      "repeat the same attention work (the result is exact): " + "; ".join(reasons[:4])
-                      + f"; use a smaller {axis} degree or drop the {axis} axis", PartitionWarning, stacklevel=2)
+        raise PartitionError(f"a ring of {ctx.mesh.size(axis)} shards no attention of this model: "
+                             + "; ".join(reasons[:4]) + "; use a smaller ring degree (at most the shortest "
+                             "sequence) or drop the ring axis")
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:

@@ -10,9 +10,8 @@ plan of every op it shards is unchanged. ``ctx.tp_sequence`` says what was decid
 
 How:
 
-1. Seeds: every partial sum over tp (a row-parallel linear's output) with exactly one dim of a sequence length
-   (the self-attentions' lengths and the parts a joint sequence is built from) is offered to its consumers sharded
-   along that dim.
+1. Seeds: every partial sum over tp (a row-parallel linear's output) whose rows the graph shows (the dim that
+   carries an attention's rows, ``partitioner.sequence_dims``) is offered to its consumers sharded along them.
 2. One sweep of ``partitioner.propagate`` with the sequence-axis rules on the ops the tp plan left replicated; an op
    the tp plan shards keeps its decision and takes its inputs as the plan says (a row-sharded input it needs whole
    is gathered). A seed that reaches a sharded op needing its rows in another layout than whole is dropped and the
@@ -26,8 +25,9 @@ How:
    bound. Applied only when the saving is larger.
 
 With a sequence axis (ulysses, ring) the rows are already split over it, and tp's row shard nests inside each of
-its shards (``InnerShard``): gathering over tp then gives back what the sequence axis holds. Not on a planning-only
-mesh (axis sizes): the XLA backend, which reads these placements, lets XLA place its own collectives.
+its shards (``InnerShard``): gathering over tp then gives back what the sequence axis holds. Not in a plan for XLA's
+global program (a mesh of axis sizes): the XLA backend, which reads these placements, lets XLA place its own
+collectives.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from ..placement import InnerShard, Partial, Replicate, Shard, any_sharded, is_s
 from ..propagate import sweep
 from ..report import nbytes
 from ..rules import Decision, Unshardable, rule_for, shape_of
-from .plan_sequence import ancestors, sequence_lengths
+from ..sequence_dims import find_sequence_dims
+from .plan_sequence import ancestors
 from . import plan_sharding
 from .plan_sharding import linear_path
 
@@ -65,10 +66,11 @@ def _tp_sharded_nodes(gm: GraphModule) -> set[Node]:
             or not all(map(_replicated, node.meta["required"][AXIS].values()))}
 
 
-def _row_dim(node: Node, lengths: set[int]) -> int | None:
-    """The one dim of a sequence length, never the last (features: a bias is added along it)."""
-    dims = [d for d, size in enumerate((shape_of(node) or ())[:-1]) if size in lengths]
-    return dims[0] if len(dims) == 1 else None
+def _row_dim(node: Node, rows) -> int | None:
+    """The dim that carries an attention's rows (``sequence_dims``), never the last (features: a bias is added
+    along it)."""
+    dim = rows.dim(node)
+    return dim if dim is not None and dim != len(shape_of(node) or ()) - 1 else None
 
 
 def _planned(node: Node) -> Decision:
@@ -258,8 +260,8 @@ def _skipped(ctx: PassContext) -> str | None:
         return "no tp axis"
     if not ctx.overlap.tp_sequence:
         return "switched off (overlap={'tp_sequence': False})"
-    if not ctx.mesh.runnable:
-        return "not on a planning-only mesh (axis sizes): the XLA backend lets XLA place its own collectives"
+    if not ctx.mesh.per_rank:
+        return "not for XLA's global program (a mesh of axis sizes): XLA places its own collectives"
     return None
 
 
@@ -269,10 +271,12 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ctx.tp_sequence = f"rows whole on every tp rank: {skipped}"
         return gm
     attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION]
-    lengths, _, _ = sequence_lengths(gm, attentions)
+    model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    rows = find_sequence_dims(gm, lambda node: rule_for(node, sequence_axis="ulysses"),
+                              skip=model_tensors.__contains__)
     sharded = _tp_sharded_nodes(gm)
     seeds = {node: dim for node in gm.graph.nodes if isinstance(node.meta["placements"][AXIS], Partial)
-             and (dim := _row_dim(node, lengths)) is not None}
+             and (dim := _row_dim(node, rows)) is not None}
     while True:
         seeds, swept = _settle(gm, sharded, seeds, ctx.mesh.size(AXIS))
         if not seeds:

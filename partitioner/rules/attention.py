@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from ..placement import PackedShard, Shard
-from .core import R, Decision, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs
+from ..placement import PackedShard, Shard, packed_shard
+from .core import (R, Decision, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs,
+                   with_dim)
 
 aten = torch.ops.aten
 
@@ -54,14 +55,14 @@ def ring_attention(node: Node, placements, axis_size: int) -> Decision:
         return attention(node, placements, axis_size)
     masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
     if any(n in sharded for n in masks):
-        raise Unshardable("a mask sharded along the sequence (ring attention with a mask is not supported yet)")
+        raise Unshardable("a mask sharded along the sequence (ring attention takes it whole, cut to its rows)")
     if q not in sharded or any(placements[n].dim != 2 for n in (q, k, v) if n in sharded):
         raise Unshardable("ring attention needs the query rows sharded along the sequence (dim 2)")
     if k not in sharded and v not in sharded:
         return _query_rows(node, placements, masks)
     _, dropout, causal = attention_options(node)
-    if masks or causal or dropout:
-        raise Unshardable("ring attention with a mask, causal, or with dropout is not supported yet")
+    if causal or dropout:
+        raise Unshardable("ring attention that is causal or has dropout is not supported yet")
     if placements.get(k) != placements.get(v):
         raise Unshardable(f"ring attention needs keys and values laid out alike ({placements.get(k)} and "
                           f"{placements.get(v)})")
@@ -69,7 +70,11 @@ def ring_attention(node: Node, placements, axis_size: int) -> Decision:
         raise Unshardable("ring attention with fewer key/value heads than query heads (GQA)")
     if shape_of(k)[2] < axis_size:
         raise Unshardable(f"{shape_of(k)[2]} key rows cannot be spread over a ring of {axis_size}")
-    return Decision(placements[q], {q: placements[q], k: placements[k], v: placements[v]})
+    # a mask is cut to this rank's query rows (as the queries are laid out); its key columns stay whole, each
+    # step of the ring picking the columns of the block it holds (collectives.ring_attention)
+    inputs = {q: placements[q], k: placements[k], v: placements[v]}
+    inputs.update({mask: _rows_like(mask, placements[q]) for mask in masks})
+    return Decision(placements[q], inputs)
 
 
 def attention_options(node: Node) -> tuple:
@@ -85,67 +90,89 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         return ring_attention
 
     def sequence_attention(node: Node, placements, axis_size: int) -> Decision:
-        """Ulysses: q/k/v sharded along the sequence are exchanged (all_to_all) to be sharded along heads, the
-        attention runs over the whole sequence for this rank's heads, and the output goes back to sequence
-        sharding. Heads or sequence lengths that do not divide the degree split unevenly; nothing is padded."""
+        """Ulysses: q/k/v sharded along their sequences are exchanged (all_to_all) to be sharded along heads, the
+        attention runs over whole sequences for this rank's heads, and the output goes back to the queries'
+        sharding. Queries and keys may be different sequences (one modality attending to another) and keys may
+        have fewer heads (grouped-query attention: each rank takes whole groups). Heads or rows that do not
+        divide the degree split unevenly; nothing is padded. Queries sharded over keys kept whole (a short
+        context) run on this rank's query rows with no communication."""
         q, k, v = node.args[:3]
         sharded = sharded_inputs(node, placements)
         if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
             return attention(node, placements, axis_size)
         masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
         packed = any(isinstance(p, PackedShard) for p in sharded.values())
-        causal = (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
-        if causal and (packed or (q in sharded and k not in sharded)):
+        _, _, causal = attention_options(node)
+        if causal and (packed or (q in sharded) != (k in sharded) or shape_of(q)[2] != shape_of(k)[2]):
             raise Unshardable("causal attention over rows that are not in sequence order on this rank")
-        if packed and placements.get(k) != placements.get(v):
-            raise Unshardable("a packed sequence (joint text + image rows) reaches the exchange in rank order, "
-                              "so keys and values must be packed alike (q, k, v: "
-                              f"{[str(placements.get(n, R)) for n in (q, k, v)]})")
+        # rows of a packed sequence arrive in rank order (permuted), whole or plainly sharded ones in order
+        if placements.get(k) != placements.get(v) and any(isinstance(placements.get(n), PackedShard) for n in (k, v)):
+            raise Unshardable("keys and values reach the exchange laid out differently (q, k, v: "
+                              f"{[str(placements.get(n, R)) for n in (q, k, v)]}); a packed sequence is exchanged "
+                              "in rank order, so keys and values must be packed alike")
         if q in sharded and k not in sharded and v not in sharded:
-            if packed and masks:
-                raise Unshardable("a mask over packed query rows (a joint sequence) kept on their ranks")
             if shape_of(q)[2] < axis_size:
                 raise Unshardable(f"{node.name}: {shape_of(q)[2]} query rows cannot be spread over a {axis} degree "
                                   f"of {axis_size}")
             return _query_rows(node, placements, masks)
         if any(n in sharded for n in masks):
             raise Unshardable("a mask sharded along the sequence (Ulysses needs it whole, per head)")
-        if shape_of(k)[2] != shape_of(q)[2] or shape_of(k)[1] != shape_of(q)[1] or q not in sharded:
-            raise Unshardable("sequence-parallel attention needs self-attention with as many key as query heads")
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
-        # More ranks than the heads a tp rank holds is correct but leaves ranks without heads; more ranks than
-        # the model has heads is refused.
-        # Too few heads or rows for the degree: this attention is left whole (the planner records why).
-        heads = shape_of(q)[1]
-        if heads < axis_size:
-            raise Unshardable(f"{where}: {heads} attention heads cannot be spread over a {axis} degree of "
-                              f"{axis_size} (at most {heads})")
-        if shape_of(q)[2] < axis_size:
-            raise Unshardable(f"{where}: a sequence of {shape_of(q)[2]} rows cannot be spread over a {axis} "
-                              f"degree of {axis_size}")
-        # a mask (batch, heads or 1, q rows, k rows) goes whole to the exchange: cut to this rank's heads
-        inputs = {q: Shard(1), k: Shard(1), v: Shard(1)}
-        inputs.update({mask: _along(mask, 1) for mask in masks})
+        heads, kv_heads = shape_of(q)[1], shape_of(k)[1]
+        group = _gqa_group(node, heads, kv_heads)
+        # Too few heads or rows for the degree: this attention is left whole (the planner records why). More
+        # ranks than the heads a tp rank holds is correct but leaves ranks without heads.
+        if kv_heads < axis_size:
+            raise Unshardable(f"{where}: {kv_heads} {'key/value ' if group > 1 else ''}attention heads cannot be "
+                              f"spread over a {axis} degree of {axis_size} (at most {kv_heads})")
+        for n in (q, k):
+            if n in sharded and shape_of(n)[2] < axis_size:
+                raise Unshardable(f"{where}: a sequence of {shape_of(n)[2]} rows cannot be spread over a {axis} "
+                                  f"degree of {axis_size}")
+        # every rank takes whole groups of query heads with their key/value head (plain heads without GQA)
+        by_heads = packed_shard(1, (heads,), group, axis_size)
+        inputs = {q: by_heads, k: Shard(1), v: Shard(1)}
+        inputs.update({mask: _along(mask, 1, group) for mask in masks})
         # Rows arrive in rank order: a packed (joint) sequence is permuted, the same way for keys and values, which
         # attention does not see (a mask is permuted alike by insert_collectives); the output goes back to the
-        # queries' own layout by the inverse exchange.
-        return Decision(Shard(1), inputs, visible=placements[q])
+        # queries' own layout by the inverse exchange, or is gathered whole when the queries were whole.
+        return Decision(by_heads, inputs, visible=placements.get(q, R))
     return sequence_attention
 
 
-def _along(mask: Node, dim: int):
-    """A mask broadcast against (batch, heads, q rows, k rows), cut along ``dim`` where it is not broadcast."""
+def _gqa_group(node: Node, heads: int, kv_heads: int) -> int:
+    """Query heads per key/value head: 1, or grouped-query attention's group (``enable_gqa``)."""
+    if kv_heads == heads:
+        return 1
+    gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
+    if not gqa or kv_heads == 0 or heads % kv_heads:
+        raise Unshardable(f"{heads} query heads over {kv_heads} key/value heads without grouped-query attention")
+    return heads // kv_heads
+
+
+def _along(mask: Node, dim: int, unit: int = 1):
+    """A mask broadcast against (batch, heads, q rows, k rows), cut along ``dim`` where it is not broadcast (over
+    heads in whole groups of ``unit``, as the queries are)."""
     shape = shape_of(mask)
     local = dim - (4 - len(shape))
-    return R if local < 0 or shape[local] == 1 else Shard(local)
+    return R if local < 0 or shape[local] == 1 else PackedShard(local, (shape[local],), unit) if unit > 1 \
+        else Shard(local)
+
+
+def _rows_like(mask: Node, rows):
+    """A mask broadcast against (batch, heads, q rows, k rows), cut along its query rows as ``rows`` (the queries'
+    placement along dim 2) cuts them, where it is not broadcast."""
+    shape = shape_of(mask)
+    local = 2 - (4 - len(shape))
+    return R if local < 0 or shape[local] == 1 else with_dim(rows, local)
 
 
 def _query_rows(node: Node, placements, masks: list[Node]) -> Decision:
     """Only the queries are sequence-sharded, keys and values whole (cross-attention to the text, or attention to
     a short context): every query row attends over every key on its own rank, so this rank's rows of the output
-    need no communication; a mask is cut to the same query rows."""
+    need no communication; a mask is cut to the same query rows (a packed joint sequence's alike)."""
     q, k, v = node.args[:3]
     inputs = {q: placements[q], k: R, v: R}
-    inputs.update({mask: _along(mask, 2) for mask in masks})
+    inputs.update({mask: _rows_like(mask, placements[q]) for mask in masks})
     return Decision(placements[q], inputs)

@@ -9,7 +9,7 @@ from torch.fx import Node
 from ..placement import PackedShard, Shard, is_sharded, packed_shard, unit_of
 from .core import R, Decision, Unshardable, norm_dim, register, shape_of, with_dim
 from .pointwise import pointwise_on
-from .views import slice_bounds, block_range, blocks_placement, slice_like
+from .views import splits_in_units, block_range, blocks_placement, slice_bounds, slice_like
 
 aten = torch.ops.aten
 
@@ -100,7 +100,8 @@ def _scatter_into_blocks(node: Node, placements, dim: int, axis_size: int) -> De
 def _packed_around(node: Node, src_placement, dim: int, axis_size: int):
     """The packed layout a whole buffer takes when a value sharded along ``dim`` is written into rows
     ``[start, end)`` of it (a joint sequence assembled in place, ``joint[:, text:] = image``): the rows before, the
-    written ones (in their own blocks) and the rows after, each block split evenly, so every rank writes its part."""
+    written ones (in their own blocks) and the rows after, each block split as evenly as it can be, so every rank
+    writes its part."""
     size = shape_of(node)[dim]
     bounds = slice_bounds(node, size, dim_arg=2)
     if bounds is None:
@@ -108,9 +109,9 @@ def _packed_around(node: Node, src_placement, dim: int, axis_size: int):
     start, end = bounds
     written = src_placement.blocks if isinstance(src_placement, PackedShard) else (end - start,)
     blocks, unit = tuple(b for b in (start, *written, size - end) if b), unit_of(src_placement)
-    if any(block % (unit * axis_size) for block in blocks):  # (then every rank holds the same share of each)
-        raise Unshardable(f"slice_scatter along the sharded dim {dim}: blocks {list(blocks)} do not split evenly "
-                          f"over {axis_size}" + (f" in units of {unit}" if unit > 1 else ""))
+    if not splits_in_units(blocks, unit, axis_size):  # (each rank writes its share of every block: localize)
+        raise Unshardable(f"slice_scatter along the sharded dim {dim}: blocks {list(blocks)} are not whole units "
+                          f"of {unit} for each of {axis_size} ranks")
     return packed_shard(dim, blocks, unit, axis_size)
 
 

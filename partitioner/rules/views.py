@@ -260,7 +260,7 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
         if covered:  # whole blocks of a packed layout (the image rows of a joint sequence): this rank's part
             return Decision(blocks_placement(placement, *covered, axis_size), {source: placement})
         refined = _refined_blocks(node, placement) if node.target is aten.slice.Tensor else None
-        if refined and _splits(refined, unit_of(placement), axis_size):
+        if refined and splits_in_units(refined, unit_of(placement), axis_size):
             raise NeedsPacking(source, refined)  # a fused projection cut by slices: pack it at the cuts
         raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
     out_dim = placement.dim - (node.target is aten.select.int and dim < placement.dim)
@@ -307,7 +307,7 @@ def blocks_placement(placement: PackedShard, i: int, j: int, axis_size: int):
     return packed_shard(placement.dim, placement.blocks[i:j], placement.unit, axis_size)
 
 
-def _splits(blocks, unit: int, axis_size: int) -> bool:
+def splits_in_units(blocks, unit: int, axis_size: int) -> bool:
     """Every block is whole units, at least one per rank."""
     return all(block % unit == 0 and block // unit >= axis_size for block in blocks)
 
@@ -332,9 +332,9 @@ def pad(node: Node, placements, axis_size: int) -> Decision:
         raise Unshardable(f"pad along the sharded dim {placement.dim} (at both ends, cropping or not constant)")
     blocks = placement.blocks if isinstance(placement, PackedShard) else (shape_of(source)[placement.dim],)
     blocks, unit = (before, *blocks) if before else (*blocks, after), unit_of(placement)
-    if any(block % (unit * axis_size) for block in blocks):  # (then every rank holds the same share of each)
-        raise Unshardable(f"pad along the sharded dim {placement.dim}: blocks {list(blocks)} do not split evenly "
-                          f"over {axis_size} in units of {unit}")
+    if not splits_in_units(blocks, unit, axis_size):  # (each rank pads its share of the new block: localize)
+        raise Unshardable(f"pad along the sharded dim {placement.dim}: blocks {list(blocks)} are not whole units of "
+                          f"{unit} for each of {axis_size} ranks")
     return Decision(packed_shard(placement.dim, blocks, unit, axis_size), decision.inputs)
 
 
@@ -355,6 +355,8 @@ def split(node: Node, placements, axis_size: int) -> Decision:
     if dim != placement.dim:
         out_dim = placement.dim - (node.target is aten.unbind.int and dim < placement.dim)
         return Decision(tuple(with_dim(placement, out_dim) for _ in pieces), {source: placement})
+    if node.target is aten.unbind.int:
+        raise Unshardable(f"unbind along the sharded dim {dim}")
     blocks = tuple(int(p.shape[dim]) for p in pieces)
     offsets = block_offsets(placement.blocks) if isinstance(placement, PackedShard) else []
     cuts = block_offsets(blocks)
@@ -363,7 +365,7 @@ def split(node: Node, placements, axis_size: int) -> Decision:
         runs = [(offsets.index(a), offsets.index(b)) for a, b in zip(cuts, cuts[1:])]
         return Decision(tuple(blocks_placement(placement, i, j, axis_size) for i, j in runs), {source: placement})
     if not (isinstance(placement, PackedShard) and len(placement.blocks) > 1) and len(blocks) > 1 \
-            and _splits(blocks, unit_of(placement), axis_size):
+            and splits_in_units(blocks, unit_of(placement), axis_size):
         raise NeedsPacking(source, blocks)
     raise Unshardable(f"split into {list(blocks)} along the sharded dim {dim} ({placement})")
 
@@ -378,8 +380,9 @@ def _tensor_list_op(node: Node, placements) -> tuple[list[Node], int, dict[Node,
 @register(aten.cat.default)
 def cat(node: Node, placements, axis_size: int, units: bool = False) -> Decision:
     """cat along another dim keeps a common sharding; along the sharded dim, every piece sharded on its own (a
-    joint text + image sequence) makes a packed layout whose blocks are the pieces (and a packed piece's blocks).
-    Without ``units`` (sequence axes) every block must split evenly."""
+    joint text + image sequence) makes a packed layout whose blocks are the pieces (and a packed piece's blocks),
+    each split as evenly as it can be (333 text rows over 2 ranks: 167 + 166), at least one row (or unit) per rank.
+    Only tensor axes split in units (``units``): whole heads beside an MLP's rows."""
     tensors, dim, sharded = _tensor_list_op(node, placements)
     if not sharded:
         return replicate_all(node, placements)
@@ -400,9 +403,7 @@ def cat(node: Node, placements, axis_size: int, units: bool = False) -> Decision
     for n in tensors:
         placement = placements.get(n, R)
         blocks += placement.blocks if isinstance(placement, PackedShard) else (shape_of(n)[dim],)
-    if not units and any(b % axis_size for b in blocks):
-        raise Unshardable(f"cat along the sharded dim of blocks {list(blocks)} not divisible by {axis_size}")
-    if not _splits(blocks, unit, axis_size):
+    if not splits_in_units(blocks, unit, axis_size):
         raise Unshardable(f"cat along the sharded dim of blocks {list(blocks)}: not whole units of {unit} for "
                           f"each of {axis_size} ranks")
     inputs = {}

@@ -22,7 +22,7 @@ import torch
 
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3, cogvideox_rotary, h3_inputs
 
-__all__ = ["ZOO", "ZooModel", "build", "config", "inputs"]
+__all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs"]
 
 
 @dataclass(frozen=True)
@@ -419,6 +419,36 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
 ]}
 
 
+# --- the sizes pipelines pass ---------------------------------------------------------------------------------------
+
+# What each model's diffusers pipeline passes at its usual resolutions, in the input builder's units (latent sizes
+# before patching; ``text``: the rows the text encoder gives, ``pad`` of them padding). Odd text lengths and row
+# counts equal to a feature width are what users bring: Flux at 1024x768 has 3072 image rows, its inner width.
+PIPELINE_SIZES: dict[str, dict[str, dict]] = {
+    "flux": {"1024x1024": dict(text=512, height=128, width=128), "1024x768": dict(text=512, height=96, width=128)},
+    "flux2": {"1024x1024": dict(text=512, height=128, width=128)},
+    "sd3": {"1024x1024": dict(text=333, height=128, width=128)},  # 77 CLIP + 256 T5 rows
+    "auraflow": {"1024x1024": dict(text=256, height=128, width=128)},
+    "pixart_sigma": {"1024x1024": dict(text=300, pad=281, height=128, width=128)},
+    "sana": {"1024x1024": dict(text=300, pad=281, height=32, width=32)},  # DC-AE: 32x down
+    "lumina2": {"1024x1024": dict(text=256, pad=237, height=128, width=128)},
+    "hidream": {"1024x1024": dict(text=128, height=128, width=128)},
+    "hunyuan_video": {"480p 129f": dict(text=256, pad=231, frames=33, height=60, width=106),
+                      "720p 129f": dict(text=256, pad=231, frames=33, height=90, width=160)},
+    "wan": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104),
+            "720p 81f": dict(text=512, pad=487, frames=21, height=90, width=160)},
+    "ltx_video": {"704x480 161f": dict(text=128, pad=109, frames=21, height=15, width=22),
+                  "1216x704 161f": dict(text=128, pad=109, frames=21, height=22, width=38)},
+    "mochi": {"480p 163f": dict(text=256, pad=237, frames=28, height=60, width=106)},
+    "cogvideox": {"720x480 49f": dict(text=226, frames=13, height=60, width=90)},
+    "cogview4": {"1024x1024": dict(text=48, height=128, width=128)},  # GLM rows, padded to a multiple of 16
+    "qwen_image": {"1024x1024": dict(text=23, height=128, width=128), "1328x1328": dict(text=37, height=166,
+                                                                                         width=166)},
+    "allegro": {"720p 88f": dict(text=512, pad=491, frames=22, height=90, width=160)},
+    "minimax_h3": {"768p 124f": dict(text=178, video=37198, audio=512)},  # 37888 packed rows
+}
+
+
 # --- public helpers --------------------------------------------------------------------------------------------------
 
 def _cls(name: str):
@@ -537,11 +567,12 @@ if __name__ == "__main__":
 MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
 
 
-def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple) -> dict:
-    """Partition zoo model ``name`` on a ``shape``/``names`` DeviceMesh of the running ranks and compare this
-    rank's output with the unpartitioned model's: ``{"status": "exact" | "refused", ...}`` with the error, the
-    refusal's class and message, the replicated share of parameter bytes, collectives, attentions sharded over
-    ulysses and seconds spent partitioning."""
+def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple, sizes: dict | None = None) -> dict:
+    """Partition zoo model ``name`` (inputs of ``sizes``, default the builder's) on a ``shape``/``names``
+    DeviceMesh of the running ranks and compare this rank's output with the unpartitioned model's:
+    ``{"status": "exact" | "refused", ...}`` with the error, the refusal's class and message, the replicated share
+    of parameter bytes, collectives, attentions sequence-sharded over every sequence axis and seconds spent
+    partitioning."""
     import time
     import warnings
 
@@ -550,7 +581,7 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple)
     from .. import partition
     from ..errors import PartitionerError
 
-    model, (args, kwargs) = build(name), inputs(name)
+    model, (args, kwargs) = build(name), inputs(name, **(sizes or {}))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     start = time.perf_counter()
     try:
@@ -566,10 +597,9 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple)
         expected = _first_tensor(model(*args, **kwargs))
     scale = expected.abs().max().item() or 1.0
     report = partitioned.report()
-    attention = partitioned.ctx.sequence_attention
+    sharded, total = report.attentions_sharded or (0, len(partitioned.ctx.sequence_attention))
     return dict(status="exact" if (got - expected).abs().max().item() <= 1e-5 * max(scale, 1.0) else "wrong",
                 error=(got - expected).abs().max().item(), scale=scale, replicated=report.replicated_share,
                 collectives={f"{kind}:{axis}": n for (kind, axis), n in partitioned.collective_counts().items()},
-                attention_sharded=sum(v.startswith("sequence-sharded") for v in attention.values()),
-                attentions=len(attention), seconds=seconds,
-                unsharded={k: v for k, v in attention.items() if not v.startswith("sequence-sharded")})
+                attention_sharded=sharded, attentions=total, seconds=seconds,
+                unsharded=dict(partitioned.ctx.sequence_whole))

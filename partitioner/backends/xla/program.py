@@ -65,7 +65,8 @@ def _prepare_runtime(torch_xla, xr, mesh, verify) -> MeshSpec:
                               f"{devices}; on CPU start with PJRT_DEVICE=CPU CPU_NUM_DEVICES={mesh.world_size}")
     if devices == mesh.world_size:
         return mesh
-    return MeshSpec(("replicas",) + mesh.axis_names, (devices // mesh.world_size,) + mesh.axis_sizes, 0, None)
+    return MeshSpec(("replicas",) + mesh.axis_names, (devices // mesh.world_size,) + mesh.axis_sizes, 0, None,
+                    programs="global")
 
 
 # XLA compiles a graph once per process and dumps it then: what its partitioned HLO held, by XLA's graph hash.
