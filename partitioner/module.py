@@ -53,6 +53,15 @@ class PartitionedModule(torch.nn.Module):
         return self._partitioned
 
     @property
+    def partitions(self) -> list:
+        """The traced shapes' ``Partitioned``, then each shape specialisation kept (least recently used first)."""
+        found = [self._partitioned]
+        for compiled in self._cache.values():
+            if all(compiled.partitioned is not seen for seen in found):
+                found.append(compiled.partitioned)
+        return found
+
+    @property
     def program(self) -> CompiledPartition:
         """The program of the traced shapes alone: it refuses any other call with an ``InputError``."""
         return self._first

@@ -76,6 +76,11 @@ class LazyPartition(torch.nn.Module):
         return dict(self._module.specializations) if self._module is not None else {}
 
     @property
+    def partitions(self) -> list:
+        """The traced shapes' ``Partitioned``, then each shape specialisation kept (empty before the first call)."""
+        return self._module.partitions if self._module is not None else []
+
+    @property
     def is_partitioned(self) -> bool:
         return self._module is not None
 
@@ -191,8 +196,8 @@ class LazyPartition(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         if self._model is None:
             raise AlreadyPartitioned(f"{self._where}.state_dict(): after partitioning each rank holds only its shards "
-                                     f"(pipe.{self._where.rsplit('.', 1)[-1]}.partitioned.state); take the state dict "
-                                     "before the first call")
+                                     f"(pipe.{self._where.rsplit('.', 1)[-1]}.partitioned.state); take the model's "
+                                     "state dict before partitioner.parallelize (or before the pipeline's first call)")
         return self._model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -315,9 +320,10 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{owner} has no module {name!r} to parallelize (it holds {type(model).__name__}); "
                              f"its denoisers are {denoisers(pipe)}: name one with component=")
-    for name in names:
-        lazy = LazyPartition(getattr(pipe, name), mesh, checkpoint=_checkpoint_for(checkpoint, name, names, owner),
-                             where=f"{owner}.{name}", **options)
+    stand_ins = {name: LazyPartition(getattr(pipe, name), mesh, where=f"{owner}.{name}",
+                                     checkpoint=_checkpoint_for(checkpoint, name, names, owner), **options)
+                 for name in names}
+    for name, lazy in stand_ins.items():
         if isinstance(pipe, torch.nn.Module):
             setattr(pipe, name, lazy)
         else:  # a diffusers pipeline's config keeps the model's class (its setattr would record the stand-in's)
