@@ -30,7 +30,7 @@ from .errors import AlreadyPartitioned, InputError, PartitionError
 # other method of the model (it may change weights or structure) is refused once the model is partitioned.
 _READS = frozenset({
     "active_adapters", "get_memory_footprint", "num_parameters", "save_config", "to_json_file", "to_json_string",
-    "_get_no_split_modules", "get_submodule", "extra_repr",
+    "_get_no_split_modules",
 })
 _DENOISER = re.compile(r"(transformer|unet|denoiser)(_\w+)?")
 
@@ -98,6 +98,9 @@ class LazyPartition(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         if self._module is not None:
             return self._module.dtype
+        dtype = getattr(self._model, "dtype", None)  # a diffusers model's own answer (fp32 modules kept aside)
+        if isinstance(dtype, torch.dtype):
+            return dtype
         return next((p.dtype for p in self._model.parameters() if p.is_floating_point()), torch.float32)
 
     @contextlib.contextmanager
