@@ -28,6 +28,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
 	$(PY) examples/h3_pipeline.py
+	$(PY) examples/flux_pipeline.py --tp 2 --ulysses 2
 
 demo-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) examples/h3_xla_spmd.py

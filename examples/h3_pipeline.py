@@ -65,7 +65,7 @@ def run_rank(rank: int, world: int, tp: int, ulysses: int, steps: int) -> dict:
     video, audio, distinct = denoise(pipe.transformer, inputs, steps)
     expected_video, expected_audio, _ = denoise(model, inputs, steps)
     return dict(error=max((video - expected_video).abs().max().item(), (audio - expected_audio).abs().max().item()),
-                distinct=distinct, specializations=len(pipe.transformer._module.specializations))
+                distinct=distinct, specializations=len(pipe.transformer.specializations))
 
 
 def main() -> None:

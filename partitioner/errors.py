@@ -66,6 +66,12 @@ class PartitionUnusable(PartitionerError, RuntimeError):
     """An earlier call failed after its first collective: the ranks' message streams may be out of step."""
 
 
+class AlreadyPartitioned(PartitionerError, RuntimeError):
+    """An operation that changes the weights or structure of a model already partitioned, or needs its whole weights
+    (fusing projections, loading or switching LoRA adapters, ``to(dtype)``, another device, ``state_dict``, saving
+    it), asked of the module ``parallelize`` installs after its first call: apply it before ``parallelize``."""
+
+
 class PartitionWarning(UserWarning):
     """A plan that is exact but wastes a mesh axis (e.g. a sequence degree that shards no attention)."""
 

@@ -1,8 +1,10 @@
 """What ``Partitioned.compile`` returns: a module a pipeline uses in place of the model it partitions.
 
 ``forward`` has the model's own signature (positional and keyword arguments, ``return_dict``, ``attention_kwargs``
-where the model takes it; ``inspect.signature(module.forward)`` shows it, as pipelines read it), and ``config``,
-``dtype`` and ``device`` are the model's.
+where the model takes it; ``inspect.signature(module.forward)`` shows it, as pipelines read it), ``config``,
+``dtype`` and ``device`` are the model's, and ``cache_context`` is diffusers' (a no-op: no cache hook runs).
+``partitioner.parallelize`` installs a fuller stand-in (``pipelines.LazyPartition``) that partitions at the first
+call and answers every other read from the model.
 
 A call whose tensor shapes differ from the traced ones (another resolution or text length, more distinct timesteps
 than the traced bucket holds) is served by a shape specialisation (``Partitioned.specialize``): the model's skeleton
@@ -15,6 +17,7 @@ does. Dims with ``buckets`` are padded to their next bucket first, so one progra
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -53,6 +56,15 @@ class PartitionedModule(torch.nn.Module):
         return self._partitioned
 
     @property
+    def partitions(self) -> list:
+        """The traced shapes' ``Partitioned``, then each shape specialisation kept (least recently used first)."""
+        found = [self._partitioned]
+        for compiled in self._cache.values():
+            if all(compiled.partitioned is not seen for seen in found):
+                found.append(compiled.partitioned)
+        return found
+
+    @property
     def program(self) -> CompiledPartition:
         """The program of the traced shapes alone: it refuses any other call with an ``InputError``."""
         return self._first
@@ -71,6 +83,12 @@ class PartitionedModule(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self._partitioned.model_dtype
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        """diffusers' ``CacheMixin.cache_context``, which Flux, Wan and QwenImage wrap each transformer call in: the
+        partition runs no cache hook, so it is a no-op, as diffusers' own is without one."""
+        yield
 
     @property
     def device(self) -> torch.device:

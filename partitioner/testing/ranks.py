@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -36,8 +37,16 @@ def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
         raise
     finally:
         dist.destroy_process_group()
-    # Skip the interpreter's teardown: with compile workers alive, torch 2.9 can abort there ("terminate called
-    # without an active exception") after the rank's work is done and saved.
+    _exit_rank()
+
+
+def _exit_rank() -> None:
+    """End a rank process without the interpreter's teardown: with compile workers alive, torch 2.9 can abort there
+    ("terminate called without an active exception") after the rank's work is done and saved. multiprocessing's
+    own exit handlers still run first: they unlink the semaphores this process created (tqdm's lock, made by the
+    first progress bar, e.g. torch.fx's interpreter), which the resource tracker would otherwise report as leaked
+    when the launcher exits."""
+    multiprocessing.util._run_finalizers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -108,9 +117,7 @@ def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
         except BaseException as error:  # reported to the test, which decides
             results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_rank()
 
 
 class RankPool:
