@@ -34,7 +34,7 @@ def _measure(rank: int, world: int, layout: dict, repeats: int, profile_json: st
     from torch.distributed.device_mesh import init_device_mesh
 
     import partitioner
-    from partitioner import cost
+    from partitioner.planning import cost
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
@@ -50,7 +50,7 @@ def _measure(rank: int, world: int, layout: dict, repeats: int, profile_json: st
 
 
 def main() -> None:
-    from partitioner.calibrate import calibrate
+    from partitioner.planning.calibrate import calibrate
     from partitioner.testing import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

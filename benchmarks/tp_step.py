@@ -100,7 +100,7 @@ def _as_if_hidden():
     compute (on this CPU they share its cores; the measured share is about 0.1)."""
     import dataclasses
 
-    from partitioner.cost import load_profile
+    from partitioner.planning.cost import load_profile
 
     return dataclasses.replace(load_profile("cpu-gloo"), name="cpu-gloo, overlap 1", overlap=1.0)
 
@@ -110,7 +110,7 @@ def _free_links():
     regions (and chunk_reductions, with nothing to hide, chunks nothing)."""
     import dataclasses
 
-    from partitioner.cost import load_profile
+    from partitioner.planning.cost import load_profile
 
     return dataclasses.replace(load_profile("cpu-gloo"), name="cpu-gloo, free links", local_gbps=1e9, link_gbps=1e9,
                                latency_us=0.0, overlap=0.0)
@@ -148,7 +148,7 @@ def tensor_parallel(rank: int, world: int, mode: str, repeats: int) -> dict:
     model, inputs = _model(MID), _inputs(MID)
     with torch.no_grad():
         expected = model(**inputs).sample
-    from partitioner.dump import graph_code
+    from partitioner.planning.dump import graph_code
 
     steps, errors, sent, programs = {}, {}, {}, {}
     if mode == "dtensor":

@@ -72,7 +72,7 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
     from partitioner.errors import PartitionerError
     from partitioner.mesh import as_mesh_spec
     from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
-    from partitioner.trace import copy_graph_module, trace
+    from partitioner.frontend.trace import copy_graph_module, trace
 
     heads = " | ".join(f"{axis}={n}" for axis, n in SEQUENCE_MESHES)
     lines = [f"| model | size | params | replicated at TP={degree} | attentions sequence-sharded: {heads} | "

@@ -1,14 +1,14 @@
 """partitioner: a compiler-pass based model partitioner for PyTorch."""
 
-from .api import Partitioned, partition
+from .api import Partitioned, partition, plan
 from .backends.neuron import NeuronLegalityError, NeuronPerformanceWarning
 from .backends.xla import CollectiveMismatch, XlaBackendError
-from .errors import (AlreadyPartitioned, BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError, MissingWeights,
-                     NotFound, PartitionError, PartitionerError, PartitionUnusable, PartitionWarning,
+from .errors import (AlreadyPartitioned, BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError,
+                     MissingWeights, NotFound, PartitionerError, PartitionError, PartitionUnusable, PartitionWarning,
                      RankDisagreement, TraceError, VerificationError)
-from .pipelines import parallelize
 from .placement import PackedShard
-from .plans import Plan, plan
+from .plans import Plan
+from .runtime.pipelines import parallelize
 
 __all__ = ["AlreadyPartitioned", "BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
            "MissingWeights", "NeuronLegalityError", "NeuronPerformanceWarning", "NotFound", "PackedShard",

@@ -1,274 +1,25 @@
-"""The user API: ``partition(model, mesh, example_inputs)`` and ``Partitioned``."""
+"""The user API: ``partition(model, mesh, example_inputs)`` and ``plan(...)``: trace, decide (the planning
+passes), agree across ranks, and build this rank's program (``Partitioned``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import os
-import re
 import weakref
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from . import backends
-from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
-from .checkpoint import load_shards
-from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
-                     PartitionError, TraceError, VerificationError)
-from .context import Overlap, PassContext
-from .dump import Dumper
-from .mesh import MeshSpec, as_mesh_spec
-from .passes import PLAN, TO_RANK, run_passes
+from .errors import InputError, TraceError
+from .frontend.padding import pad_named, parse_buckets
+from .frontend.trace import Traced, bind_forward
+from .mesh import as_mesh_spec
+from .partitioned import Partitioned, _check_offline, build_agreed, decide, partition_traced, trace_and_partition
+from .passes.context import Overlap
 from .passes.plan_sequence import warn_whole_attentions
-from .plan_view import write_html
 from .plans import Plan
-from .report import Report, build_report, collective_stats
-from .padding import pad_named, parse_buckets
-from .runtime import input_names, place_graph_on
-from .trace import Traced, bind_forward, copy_graph_module, trace
-from .weights import shard_state
-
-
-class Partitioned:
-    """One rank's partition of a model: its graph, its weight shards, and how both were derived."""
-
-    def __init__(self, model_name: str, traced: Traced, ctx: PassContext, planned: torch.fx.GraphModule):
-        self.model_name = model_name
-        self.traced = traced
-        self.ctx = ctx
-        self.graph_module = traced.graph_module  # this rank's program
-        self.planned_graph = planned  # the global graph with every value's placements (what XLA SPMD takes)
-        tensor_names = [gi.target for gi in ctx.inputs if gi.is_model_tensor]
-        self.state = shard_state(traced.state, tensor_names, ctx.slice_specs, ctx.mesh)
-        # A mesh given as axis sizes is driven by one process (XLA SPMD): it keeps the model's full tensors. A
-        # DeviceMesh rank keeps only its shards, so the model can be freed.
-        self.global_state = traced.state if not ctx.mesh.runnable else None
-        self.checkpoint = None  # (path, strict) of the last load_weights
-        self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
-        self.source = None  # weak reference to the model, for verify()
-        self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
-        self.model_config, self.model_dtype = None, None  # what pipelines read from the model
-        self._whole = None  # whole tensors for XLA, read again after load_weights
-        traced.state = {}
-
-    def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
-        """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
-        diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
-        Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
-        Nothing is replaced unless every tensor was found and read. ``compile(backend="xla")``, which drives every
-        device from one process, reads the whole tensors from the same checkpoint when it runs."""
-        expected, computed = self._checkpoint_tensors()
-        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
-        device = torch.device(device) if device is not None else self.mesh.device
-        shards.update({name: self.state[name] for name in computed})
-        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
-        self.checkpoint = (path, strict)
-        self._whole = None
-        return self
-
-    def specialize(self, example_inputs) -> "Partitioned":
-        """This partition for other input shapes: the skeleton traced on ``example_inputs`` and this partition's
-        plan applied (its sequence seeds re-derived if the new trace names values differently), sharing this rank's
-        weights, its process groups and its guard. Every rank must call it with inputs of the same shapes (inputs
-        with ``buckets`` padded to a bucket already)."""
-        if self.skeleton is None:
-            raise InputError(f"{self.model_name}: this partition serves only the traced shapes (it was not made by "
-                             "partition() from a module); partition again for other shapes")
-        plan = Plan.of(self)
-
-        def partition_with(traced: Traced) -> Partitioned:
-            try:
-                return partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
-                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap)
-            except DataDependentNumber:
-                raise
-            except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
-                traced = trace(self.skeleton, example_inputs, specialize_values=traced.values_specialized)
-                new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets, overlap=self.ctx.overlap,
-                                       plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
-                new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
-                return new
-
-        def build() -> Partitioned:
-            # traced for its inputs' values: so is every specialisation
-            new = trace_and_partition(self.skeleton, example_inputs, partition_with,
-                                      specialize_values=self.traced.values_specialized)
-            if new.slice_specs != self.slice_specs:
-                raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
-                                     "the traced ones; partition again for them")
-            # The weights are shared. The new trace's own constants (what it folded from the values it was traced
-            # for, tensors the model makes from literals) replace those of the same name.
-            new.state = {**self.state, **_real_constants(new, new.state, self.state)}
-            if self.global_state is not None:
-                new.global_state = {**self.global_state, **_real_constants(new, new.global_state, self.global_state)}
-            new.checkpoint = self.checkpoint
-            new.model_config, new.model_dtype, new.skeleton, new.source = \
-                self.model_config, self.model_dtype, self.skeleton, self.source
-            return new
-
-        specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
-        specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
-        return specialized
-
-    def rank_tensors(self) -> list[torch.Tensor]:
-        """This rank's tensors in the order the program takes them: what compiled callables read at every call, so
-        that ``load_weights`` after ``compile`` takes effect."""
-        return [self.state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
-
-    def _checkpoint_tensors(self) -> tuple[dict, list[str]]:
-        """What a checkpoint must hold (name -> global shape and dtype), and the buffers computed instead."""
-        expected, computed = {}, []
-        for node, graph_input in self.ctx.placeholder_inputs(self.graph_module).items():
-            if not graph_input.is_model_tensor:
-                continue
-            if graph_input.persistent:
-                expected[graph_input.target] = (node.meta["global_shape"], node.meta["val"].dtype)
-            else:
-                computed.append(graph_input.target)
-        on_meta = [name for name in computed if self.state[name].is_meta]
-        if on_meta:
-            raise CheckpointError(f"non-persistent buffers {on_meta} are on the meta device and no checkpoint holds "
-                                  "them (partition computes them only for diffusers models); set them first: "
-                                  "partitioned.state[name] = tensor")
-        return expected, computed
-
-    @property
-    def mesh(self):
-        return self.ctx.mesh
-
-    @property
-    def slice_specs(self) -> dict[str, dict]:
-        """How each sharded parameter/buffer is cut: FQN -> {mesh axis: placement}."""
-        return self.ctx.slice_specs
-
-    @property
-    def linear_styles(self) -> dict[str, str]:
-        """The decision for every Linear: module path -> colwise / colwise packed [...] / rowwise / replicate."""
-        return self.ctx.linear_styles
-
-    def explain(self, module_path: str | None = None) -> str:
-        """Why a Linear was planned the way it was, whether an attention module is sequence-sharded and why not, or
-        (on a dp/cfg axis) whether an input is split along the batch and why not; with no path, every decision, a
-        line each."""
-        if module_path is None:
-            lines = [self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
-                                                     *self.ctx.batch_split]]
-            return "\n".join(lines + ([f"between the tp regions: {self.ctx.tp_sequence}"] if self.ctx.tp_sequence
-                                      else []))
-        if module_path in self.ctx.sequence_attention:
-            return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
-        if module_path in self.ctx.batch_split:
-            return f"input {module_path}: {self.ctx.batch_split[module_path]}"
-        style = self.ctx.linear_styles.get(module_path)
-        if style is None:
-            known = sorted([*self.ctx.linear_styles, *self.ctx.sequence_attention])
-            raise NotFound(f"no Linear or attention module at {module_path!r}; known modules look like "
-                                   f"{known[:3]}")
-        reason = self.ctx.replicated_because.get(module_path)
-        chunked = self.ctx.chunked.get(module_path)
-        scattered = self.ctx.reduce_scattered.get(module_path)
-        return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "") + \
-            (f"; its all_reduce {chunked}" if chunked else "") + (f"; its sum {scattered}" if scattered else "")
-
-    def verify(self, *args, rtol: float = 1e-4, atol: float = 1e-5, **kwargs):
-        """Run this rank's program and the unpartitioned model on the same forward arguments and compare every
-        value this rank computes with the model's, cut to this rank's part. On a difference, raise
-        ``VerificationError`` on every rank naming the first node that differs (its model source line, its
-        placements and the pass that decided them, the error). Every rank must call it; the model passed to
-        ``partition`` must still be alive. Returns what was compared. ``rtol``/``atol`` are relative to the
-        reference's magnitude (loosen them for bf16)."""
-        from .verify import verify
-
-        model = self.source() if self.source is not None else None
-        if model is None:
-            raise VerificationError("verify compares with the model given to partition(), which is gone: keep a "
-                                    "reference to it while verifying")
-        return verify(self, model, args, kwargs, rtol=rtol, atol=atol)
-
-    def report(self) -> Report:
-        return build_report(self.graph_module, self.ctx)
-
-    def collective_counts(self) -> Counter:
-        """How many collectives of each (kind, mesh axis) one rank's program runs."""
-        counts = Counter()
-        for stat in collective_stats(self.graph_module):  # (not the whole report: it sizes every rank's weights)
-            counts[(stat.kind, stat.axis)] += stat.count
-        return counts
-
-    def compile(self, backend: str = "eager", **options):
-        """A callable taking the model's forward arguments and returning what its forward returns.
-        ``backend``: "eager", "inductor" (options: ``regional``, ``compile_glue``), "neuron" (legalises and checks
-        its rules, then needs torch-neuronx; options ``pad_sequence``, ``text_rows``) or "xla" (one process drives
-        every device through XLA SPMD; option ``verify``); see ``partitioner.backends``."""
-        from .module import PartitionedModule
-
-        return PartitionedModule(self, backend, options)
-
-    def lower(self, backend: str = "eager", **options):
-        """The backend's program and what gives it its tensors at each call: this rank's program and shards for a
-        backend run per rank, the global plan and the model's whole tensors (on the CPU) for one that drives every
-        device itself."""
-        chosen = backends.get(backend)
-        chosen.validate(options)
-        if chosen.takes == "global":
-            if self.mesh.per_rank:
-                raise BackendError(f"{backend!r} runs one global program (XLA SPMD), and this partition was planned for "
-                                   "rank programs (a DeviceMesh, or programs='rank'); partition with the mesh as axis "
-                                   f"sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
-            self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
-            return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
-                                **options), self.whole_tensors
-        if not self.mesh.runnable:
-            raise BackendError(f"this partition was planned on axis sizes ({self.mesh}); to run it with {backend!r}, "
-                               "partition with a DeviceMesh on initialised process groups")
-        _require_weights(self.state, "")
-        devices = {t.device for t in self.state.values()}
-        if len(devices) > 1:
-            raise BackendError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
-        place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
-        return chosen.lower(self.graph_module, mesh=self.mesh, collectives=self.collective_counts(),
-                            **options), self.rank_tensors
-
-    def whole_tensors(self) -> list[torch.Tensor]:
-        """The model's whole tensors in program order, on the CPU (what a backend that drives every device takes);
-        read again after ``load_weights``."""
-        if self._whole is None:
-            state = self._whole_state()
-            self._whole = [state[gi.target] for gi in self.ctx.inputs if gi.is_model_tensor]
-        return self._whole
-
-    def _whole_state(self) -> dict[str, torch.Tensor]:
-        if self.global_state is None:
-            raise BackendError("a backend that drives every device from one process (XLA SPMD) needs the whole "
-                               "model: partition with the mesh as axis sizes, e.g. "
-                               f"partition(model, {self.mesh.sizes}, example_inputs)")
-        state = self.global_state
-        if self.checkpoint is not None:  # the checkpoint last loaded, read whole
-            path, strict = self.checkpoint
-            expected, computed = self._checkpoint_tensors()
-            state = load_shards(path, expected, {}, self.mesh, strict=strict)
-            state.update({name: self.global_state[name] for name in computed})
-        _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
-        return {name: tensor.detach().cpu() for name, tensor in state.items()}
-
-
-def _real_constants(partitioned: "Partitioned", state: dict, like: dict) -> dict[str, torch.Tensor]:
-    """The constants of ``partitioned``'s trace that have values (a skeleton on the meta device traces meta ones),
-    on the device of the tensors in ``like``."""
-    device = next((t.device for t in like.values() if not t.is_meta), None)
-    return {gi.target: state[gi.target].to(device) if device is not None else state[gi.target]
-            for gi in partitioned.ctx.inputs if gi.kind == "constant" and gi.target in state
-            and not state[gi.target].is_meta}
-
-
-def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:
-    meta = [name for name, t in state.items() if t.is_meta]
-    if meta:
-        raise MissingWeights(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition needs "
-                              f"real weights to run{advice}")
+from .runtime.agreement import DEFAULT_TIMEOUT, bounded_groups
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -353,23 +104,6 @@ def trace_bucketed(model: torch.nn.Module, example_inputs, buckets: dict, partit
                          "padded size there)") from error
 
 
-def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, *,
-                        specialize_values: bool = False) -> Partitioned:
-    """``partition_with(trace(model, example_inputs))``; when the host prologue cannot take a data-dependent size
-    (it sizes device ops), the model is traced again specialised on its integer and boolean inputs' values
-    (``value_specialization``), if it has any and the first trace was not."""
-    traced = trace(model, example_inputs, specialize_values=specialize_values)
-    try:
-        return partition_with(traced)
-    except DataDependentNumber:
-        if traced.values_specialized:
-            raise
-        retraced = trace(model, example_inputs, specialize_values=True)
-        if not retraced.values:  # no integer or boolean input it derives from
-            raise
-    return partition_with(retraced)
-
-
 def _padded_to_buckets(model: torch.nn.Module, example_inputs, buckets) -> tuple:
     """The example inputs with every bucketed dim padded to its bucket, as ``((), {name: value})``."""
     if not buckets or not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
@@ -407,89 +141,15 @@ def mesh_with_groups(mesh, rank: int, timeout: float):
     return spec, groups
 
 
-def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
-    """``build()`` on every rank, then the ranks compare their plans (or learn which rank failed) before any
-    program runs; the partition's calls are then guarded by the same groups."""
-    partitioned, failure = None, None
-    try:
-        partitioned = build()
-    except Exception as error:  # every rank learns that this one failed, instead of waiting for it
-        failure = error
-    header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
-    agree_on_plan(groups, _plan_lines(partitioned, header) if partitioned is not None else None, failure)
-    partitioned.guard = CallGuard(groups, spec.device)
-    return partitioned
-
-
-def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
-    """The plan ranks compare: the global graph with its placements and shapes, and how many chunks each
-    row-parallel all_reduce is issued in (a profile file that differs between hosts would make ranks issue
-    different collectives); device indices left out (each rank has its own GPU)."""
-    device = re.compile(r"device\(type='(\w+)', index=\d+\)")
-    chunks = [f"all_reduce of {path}: {how.split(' (')[0]}" for path, how in sorted(partitioned.ctx.chunked.items())]
-    return [device.sub(r"device(type='\1')", line) for line in plan_lines(partitioned.planned_graph, header)] + chunks
-
-
-def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
-    """``backend_checks``: a backend name, or {name: its compile options} such as ``{"neuron": {"pad_sequence":
-    True}}``. The graph the checks see is dumped after the passes' graphs."""
-    usage = f"e.g. backend_checks='neuron' or {{'neuron': {{'pad_sequence': True}}}}; backends with offline " \
-            f"checks: {backends.with_checks()}"
-    if isinstance(backend_checks, str):
-        backend_checks = {backend_checks: {}}
-    if not (isinstance(backend_checks, dict) and len(backend_checks) == 1):
-        raise InputError(f"backend_checks={backend_checks!r}: name one backend, {usage}")
-    (name, options), = backend_checks.items()
-    backend = backends.get(name)
-    if backend.check is None or not isinstance(options, dict) or set(options) - set(backend.options):
-        raise InputError(f"backend_checks={backend_checks!r}: {usage}; {name!r} takes the options "
-                         f"{list(backend.options)}")
-    checked = backend.check(partitioned.graph_module, partitioned.mesh, **options)
-    Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)(f"{name}_legalize", checked,
-                                                                            partitioned.ctx)
-
-
-def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-                     dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None,
-                     buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
-    """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
-    ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
-    ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
-                           overlap=overlap)
-    planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
-    gm = run_passes(gm, ctx, TO_RANK, dump)
-    traced.graph_module, traced.inputs = gm, ctx.inputs
-    partitioned = Partitioned(model_name, traced, ctx, planned)
-    if dump.directory:  # the plan as a picture beside the pass dumps
-        write_html(partitioned, dump.directory / "plan.html")
-    return partitioned
-
-
-def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-           dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None, buckets: dict | None = None,
-           overlap: bool | dict | Overlap = True) -> tuple[PassContext, torch.fx.GraphModule, Dumper]:
-    """The planning passes (``PLAN``) over a trace: every decision ``partition`` takes (``partitioner.plan`` reads
-    them from the context), the planned global graph, and the dumper that wrote it."""
-    ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
-                      buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
-                      overlap=Overlap.parse(overlap))
-    read = {ctx.input_names[i] for i in traced.values} & {name for name, _ in ctx.buckets}
-    if read:  # the values read would include the bucket's padding: the trace would be exact for the padded call
-        raise PartitionError(f"{model_name} reads the values of {sorted(read)} ({traced.value_reads[0]}), which "
-                             "buckets pad; drop the bucket for it (each size is then traced on its own)")
-    if isinstance(plan, Plan):
-        plan.check_mesh(mesh.sizes)
-        overrides = plan.linear_overrides()
-        ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
-        ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}
-        ctx.unit_overrides = {path: unit for path, (_, _, unit) in overrides.items() if unit > 1}
-        ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
-        ctx.given_sequence_seeds_by_axis = plan.sequence_seeds_by_axis
-        ctx.bounds = {**plan.bounds, **ctx.bounds}
-    else:
-        ctx.plan = dict(plan or {})
-    dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
-    gm = traced.graph_module
-    dump("export", gm, ctx)
-    return ctx, run_passes(gm, ctx, PLAN, dump), dump
-
+def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
+         buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None) -> Plan:
+    """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
+    planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
+    group) plans rank programs, axis sizes XLA's global program, exactly as ``partition`` does; no process group is
+    used or created, nothing is compared between ranks, and no weights are needed (a meta model plans as well)."""
+    spec, buckets = as_mesh_spec(mesh, rank), parse_buckets(buckets)
+    ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
+        traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
+        overlap=overlap)[0])
+    warn_whole_attentions(ctx)
+    return Plan.of(ctx)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from . import cost, planner
+from .frontend.trace import trace
 from .mesh import MeshError
-from .trace import trace
+from .planning import cost, planner
 
 
 def _mesh(text: str) -> dict[str, int]:
@@ -104,7 +104,7 @@ def report(args) -> int:
 
 
 def _write_html(path: str, traced, name: str, best: planner.LayoutEstimate) -> None:
-    from .plan_view import write_html
+    from .planning.plan_view import write_html
 
     if best.error:
         print(f"not writing {path}: layout {best.layout} is impossible", file=sys.stderr)
@@ -116,7 +116,7 @@ def _write_html(path: str, traced, name: str, best: planner.LayoutEstimate) -> N
 
 
 def calibrate(args) -> int:
-    from .calibrate import calibrate as calibrate_this_host
+    from .planning.calibrate import calibrate as calibrate_this_host
 
     profile = calibrate_this_host(args.threads)
     Path(args.out).write_text(profile.to_json())

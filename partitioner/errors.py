@@ -38,8 +38,8 @@ class InputError(PartitionerError, ValueError):
     data-dependent size), or options that are not understood."""
 
 
-class NotFound(PartitionerError, KeyError):
-    """A name (module path, tensor, backend) that the partition does not have."""
+class NotFound(PartitionerError, KeyError, AttributeError):
+    """A name (module path, tensor, backend, attribute) that the partition does not have."""
 
 
 class CheckpointError(PartitionerError, ValueError):

@@ -87,22 +87,3 @@ class Plan:
     def check_mesh(self, sizes: dict[str, int]) -> None:
         if dict(sizes) != dict(self.mesh):
             raise MeshError(f"the plan was made for the mesh {self.mesh}, not {dict(sizes)}: plan again for this mesh")
-
-
-def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
-         buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None) -> Plan:
-    """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
-    planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
-    group) plans rank programs, axis sizes XLA's global program, exactly as ``partition`` does; no process group is
-    used or created, nothing is compared between ranks, and no weights are needed (a meta model plans as well)."""
-    from .api import decide, trace_bucketed
-    from .mesh import as_mesh_spec
-    from .padding import parse_buckets
-    from .passes.plan_sequence import warn_whole_attentions
-
-    spec, buckets = as_mesh_spec(mesh, rank), parse_buckets(buckets)
-    ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
-        traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
-        overlap=overlap)[0])
-    warn_whole_attentions(ctx)
-    return Plan.of(ctx)

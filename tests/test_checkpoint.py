@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import partitioner
 from partitioner import CheckpointError
-from partitioner.planner import apply_dtype
+from partitioner.planning.planner import apply_dtype
 from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
 
 
@@ -71,8 +71,8 @@ def test_loaded_partition_equals_in_memory_partition(checkpoints):
 
 def test_planner_bytes_equal_loaded_bytes(checkpoints):
     """The planner's per-rank parameter bytes are the bytes each rank holds after loading."""
-    from partitioner.planner import estimate
-    from partitioner.trace import trace
+    from partitioner.planning.planner import estimate
+    from partitioner.frontend.trace import trace
 
     inputs = meta_inputs(h3_inputs(TINY_H3))
     traced = trace(meta_h3(), ((), inputs))

@@ -30,17 +30,23 @@ TOLERANCE = 1e-5
 MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
 
 
+def _without_halo(x, weight, bias, stride, padding, dilation, groups, *_):
+    """Negative control: each rank convolves its own rows alone, zeros where its neighbours' rows belong."""
+    return torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False, [0] * len(padding),
+                                              groups)
+
+
 def _case(rank, world, mode, height, broken):
     from torch.distributed.device_mesh import init_device_mesh
 
     from partitioner import partition
-    from partitioner.passes import insert_collectives
+    from partitioner.runtime import collectives
 
     torch.manual_seed(0)
     model = ConvLinearAttentionBlock(height=height).eval()
     x, text = torch.randn(1, height * 6, 32), torch.randn(1, 5, 16)
     shape, names = MODES[mode]
-    with mock.patch.object(insert_collectives, "_halo_convolutions", lambda gm, ctx: None) if broken == "halo" \
+    with mock.patch.object(collectives, "halo_convolution", _without_halo) if broken == "halo" \
             else contextlib.nullcontext():
         partitioned = partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((x, text), {}))
     if broken == "all_reduce":  # the attention's state left a per-rank partial sum

@@ -1,4 +1,4 @@
-"""The physical step-time model (partitioner/cost.py): each term on hand-computed cases, the device profiles, the
+"""The physical step-time model (partitioner/planning/cost.py): each term on hand-computed cases, the device profiles, the
 calibration, and the TP=8 -> TP=8 x Ulysses=4 speedup of full-size H3 on Trainium2."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from partitioner import cost, planner
-from partitioner.collectives import ring_attention
+from partitioner.planning import cost, planner
+from partitioner.runtime.collectives import ring_attention
 from partitioner.mesh import as_mesh_spec
-from partitioner.trace import trace
+from partitioner.frontend.trace import trace
 
 # round numbers, so every expected time below is worked out by hand
 CHIP4 = cost.DeviceProfile("test", matmul_tflops=100.0, memory_gbps=1000.0, memory_bytes=2**30, ranks_per_chip=4,

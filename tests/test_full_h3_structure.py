@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from partitioner import collectives
+from partitioner.runtime import collectives
 from partitioner.testing import fake_mesh, full_h3_on_meta
 
 TP = 8

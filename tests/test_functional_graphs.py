@@ -82,7 +82,7 @@ def test_every_write_pattern_is_exact_on_every_rank(shape, names):
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_the_trace_has_no_write_in_place_left(pattern):
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     traced = trace(InPlaceAttention(pattern).eval(), ((), _pattern_inputs()))
     mutable = [n for n in traced.graph_module.graph.nodes
@@ -92,7 +92,7 @@ def test_the_trace_has_no_write_in_place_left(pattern):
 
 def test_graphs_without_writes_are_not_rewritten():
     """Functionalization only runs where it is needed: it rewrites views (unflatten -> view) and costs seconds."""
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     traced = trace(InPlaceAttention("none").eval(), ((), _pattern_inputs()))
     targets = {n.target for n in traced.graph_module.graph.nodes}
@@ -118,7 +118,7 @@ def _unguarded_copy_under_ulysses(rank, world):
     import sys
 
     import partitioner.rules as rules
-    import partitioner.trace as trace
+    import partitioner.frontend.trace as trace
 
     trace.functionalize = lambda program, owner: program
     original = rules.rule_for

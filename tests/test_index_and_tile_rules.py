@@ -92,7 +92,7 @@ def test_indexing_with_one_index_tensor_is_an_index_select():
 
 
 def test_an_autocast_region_that_changes_no_dtype_is_inlined():
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     class RotaryAngles(torch.nn.Module):
         def __init__(self):
@@ -111,7 +111,7 @@ def test_an_autocast_region_that_changes_no_dtype_is_inlined():
 
 
 def test_an_autocast_region_that_casts_stays_whole():
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     class Bfloat16Matmul(torch.nn.Module):
         def __init__(self):
@@ -131,7 +131,7 @@ def test_autocast_on_the_meta_device_is_traced_when_it_casts_nothing_anywhere():
     torch.float32)``): a float32 region over float32 values casts nothing on any device and is inlined; another
     dtype would cast as the device it runs on decides, which a meta trace cannot know: refused."""
     from partitioner.errors import TraceError
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     class OwnDeviceAutocast(torch.nn.Module):
         def __init__(self, dtype):
@@ -177,7 +177,7 @@ def test_a_constant_index_that_is_one_ascending_run_is_traced_as_a_slice():
     """Rows picked by a constant index (what value specialisation folds Mochi's ``nonzero(mask)`` to, a [rows, 1]
     table then flattened): a slice when the rows are one run, so the rules carry it over whole blocks of a packed
     sequence; any other index stays an index."""
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     class PicksRows(torch.nn.Module):
         def forward(self, x):

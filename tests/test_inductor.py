@@ -114,11 +114,11 @@ def test_entry_point_resolves_in_a_fresh_interpreter():
             "print(backend.__module__, backend.__name__)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["partitioner.frontends.dynamo", "partitioner_backend"]
+    assert result.stdout.split() == ["partitioner.frontend.dynamo", "partitioner_backend"]
 
 
 def test_torch_compile_backend_needs_a_mesh():
-    from partitioner.frontends.dynamo import partitioner_backend
+    from partitioner.frontend.dynamo import partitioner_backend
 
     with pytest.raises(ValueError, match="'mesh' required"):
         partitioner_backend(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)], {"backend": "eager"})

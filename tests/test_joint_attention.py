@@ -35,7 +35,7 @@ class MaskedJointAttention(nn.Module):
 def _run(rank, world, reorder):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from partitioner.passes import insert_collectives
+    from partitioner.passes import collective_kernels
 
     torch.manual_seed(0)
     model = MaskedJointAttention().eval()
@@ -43,7 +43,7 @@ def _run(rank, world, reorder):
     mask = torch.ones(1, 1, 12, 12, dtype=torch.bool)
     mask[..., 2:4] = False  # the last two text rows are padding: no row attends to them
     if not reorder:
-        insert_collectives._masks_in_rank_order = lambda gm, ctx: None
+        collective_kernels._masks_in_rank_order = lambda gm, ctx: None
     partitioned = partition(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ulysses",)),
                             ((text, image, mask), {}))
     with torch.no_grad():

@@ -15,12 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import partitioner
-from partitioner.context import PassContext
+from partitioner.passes.context import PassContext
 from partitioner.mesh import as_mesh_spec
 from partitioner.passes import gather_scatters
 from partitioner.testing import (TINY_H3, fake_mesh, h3_inputs, peak_allocated_bytes, run_ranks, tiny_h3,
                                  traced_peak_bytes)
-from partitioner.trace import trace
+from partitioner.frontend.trace import trace
 
 aten = torch.ops.aten
 HIDDEN, HEADS = 16, 2

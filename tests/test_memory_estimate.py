@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import partitioner
-from partitioner.report import activation_peak
+from partitioner.planning.report import activation_peak
 from partitioner.testing import TINY_H3, h3_inputs, peak_allocated_bytes, run_ranks, tiny_h3, traced_peak_bytes
 
 # the mid-size H3 of benchmarks/tp_step.py: 8 heads x 64, hidden 512, 4 blocks, 2048 packed rows, float32

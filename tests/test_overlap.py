@@ -26,7 +26,7 @@ functional = torch.ops._c10d_functional
 def slow_links(tmp_path_factory) -> str:
     """A device profile on which the tiny model's row-parallel matmuls and their all_reduces take about as long as
     each other (about 0.1 s each), where chunking pays most: every one with enough rows is chunked."""
-    from partitioner.cost import load_profile
+    from partitioner.planning.cost import load_profile
 
     profile = dict(vars(load_profile("cpu-gloo")), name="slow-links", matmul_tflops=1e-5, local_gbps=5e-4,
                    link_gbps=5e-4, latency_us=0.0, overlap=1.0)
@@ -159,7 +159,7 @@ def test_bad_overlap_option_is_named():
 
 
 def _profile(path, **figures) -> str:
-    from partitioner.cost import load_profile
+    from partitioner.planning.cost import load_profile
 
     with open(path) as f:
         profile = dict(json.load(f), **figures)
@@ -173,7 +173,7 @@ def _profile(path, **figures) -> str:
 def test_nothing_moves_where_nothing_can_hide(slow_links):
     """On a profile whose collectives hide nothing behind compute (overlap 0) the rule neither chunks nor
     reorders: the graph is the one without overlap."""
-    from partitioner.dump import graph_code
+    from partitioner.planning.dump import graph_code
 
     hidden_nothing = _profile(slow_links, overlap=0.0)
     assert graph_code(_graph(True, hidden_nothing).graph_module) == graph_code(_graph(False).graph_module)
@@ -182,7 +182,7 @@ def test_nothing_moves_where_nothing_can_hide(slow_links):
 def test_step_time_credits_the_schedule(slow_links):
     """The cost model reads the schedule: the compute between an all_reduce and its wait hides it, as far as the
     profile's overlap share says; with every wait right after its collective nothing is hidden."""
-    from partitioner.cost import load_profile, step_time
+    from partitioner.planning.cost import load_profile, step_time
 
     overlapped, plain = _graph(True, slow_links), _graph(False)
     full, none = load_profile(slow_links), load_profile(_profile(slow_links, overlap=0.0))
@@ -198,7 +198,7 @@ def test_step_time_credits_the_schedule(slow_links):
 def test_an_issued_collective_waits_after_independent_compute(kind):
     """Each collective the graphs issue in two nodes (issue, then wait) is scheduled alike: the wait gives way to
     a matmul that does not need its result, while the collective's estimated time is not yet covered."""
-    from partitioner import collectives
+    from partitioner.runtime import collectives
     from partitioner.passes.schedule_collectives import _order
 
     aten, graph = torch.ops.aten, torch.fx.Graph()
@@ -233,7 +233,7 @@ def test_ulysses_exchanges_of_q_k_and_v_are_in_flight_together(slow_links):
     hidden width, as in production DiTs, the peak is the feed-forward's and the exchanges fit under it (with the
     tiny model's 2x they do not, and stay one at a time)."""
     import partitioner
-    from partitioner import collectives
+    from partitioner.runtime import collectives
 
     config = dict(TINY_H3, ffn_dim=4 * TINY_H3["hidden_size"])
     model, inputs = tiny_h3(ffn_dim=config["ffn_dim"]), h3_inputs(config, **ROWS)

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import partitioner
-from partitioner import collectives
-from partitioner.context import PassContext
+from partitioner.runtime import collectives
+from partitioner.passes.context import PassContext
 from partitioner.mesh import as_mesh_spec
 from partitioner.passes import annotate_heads, plan_sharding
 from partitioner.placement import PackedShard, Partial, Replicate, Shard, is_sharded, shard_slices, slice_local
 from partitioner.rules import PartitionError, view_groups as _view_groups
-from partitioner.trace import trace
+from partitioner.frontend.trace import trace
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

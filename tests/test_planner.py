@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from partitioner.planner import layouts, parse_bytes
+from partitioner.planning.planner import layouts, parse_bytes
 from partitioner.testing import TINY_H3
 
 CLI = [sys.executable, "-m", "partitioner", "report"]
@@ -96,8 +96,8 @@ def test_ring_layouts_are_costed(tiny_config):
     estimate counts the blocks in flight, the float32 partial results and, planned on meta weights for a device
     other than the CPU, the chunked float32 scores of each block: this tiny model's attention dominates it); a ring
     longer than every sequence is impossible, with the reason."""
-    from partitioner import planner
-    from partitioner.trace import trace
+    from partitioner.planning import planner
+    from partitioner.frontend.trace import trace
 
     model = planner.build_meta_model(str(tiny_config))
     traced = {seq_len: trace(model, planner.example_inputs(model, seq_len)) for seq_len in (16, 64, 4096)}

@@ -58,7 +58,7 @@ def _errors(got, expected) -> list[float]:
 
 
 def _denoisers(pipe) -> dict:
-    from partitioner.pipelines import denoisers
+    from partitioner.runtime.pipelines import denoisers
 
     found = {}
     for name in denoisers(pipe):
@@ -222,7 +222,7 @@ def test_before_the_first_call_the_model_is_whole_and_changes_apply_to_it(tmp_pa
     from diffusers import FluxPipeline
 
     import partitioner
-    from partitioner.pipelines import LazyPartition
+    from partitioner.runtime.pipelines import LazyPartition
 
     pipe = partitioner.parallelize(_build("flux"), {"tp": 2})
     pipe.transformer.fuse_qkv_projections()  # the model's own method, on the whole model

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import partitioner
-from partitioner import MeshError, PartitionError, collectives
+from partitioner import MeshError, PartitionError
+from partitioner.runtime import collectives
 from partitioner.testing import TINY_H3, fake_mesh, flux_inputs, full_h3_on_meta, h3_inputs, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)

@@ -51,7 +51,7 @@ class QKNormAcrossHeads(nn.Module):
 def _run(rank, world, norm, broken):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from partitioner import collectives
+    from partitioner.runtime import collectives
     from partitioner.passes import insert_collectives
 
     torch.manual_seed(0)

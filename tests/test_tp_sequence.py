@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from partitioner import collectives
+from partitioner.runtime import collectives
 from partitioner.testing import TINY_H3, fake_mesh, h3_inputs, run_ranks, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -25,7 +25,7 @@ UNEVEN_ROWS = dict(text=15, video=223, audio=17)  # 255 packed rows, 15 text row
 
 
 def _profile(directory, name: str, **figures) -> str:
-    from partitioner.cost import load_profile
+    from partitioner.planning.cost import load_profile
 
     path = directory / f"{name}.json"
     path.write_text(json.dumps(dict(vars(load_profile("cpu-gloo")), name=name, **figures)))
@@ -172,7 +172,7 @@ def test_xla_global_program_keeps_rows_whole_and_rank_programs_on_axis_sizes_do_
     import partitioner
     from partitioner.api import partition_traced
     from partitioner.mesh import as_mesh_spec
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
     partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), overlap={"profile": free_links})
@@ -186,8 +186,8 @@ def test_a_reduce_scatter_is_sized_by_what_it_sums(free_links):
     """The report sizes a reduce-scatter by its input, the bytes the all_reduce it replaces sums, and the cost
     model charges it the profile's share of that all_reduce: half on a ring (trn2, assumed), all of it on gloo
     (measured: gloo's reduce-scatter takes as long as its all-reduce)."""
-    from partitioner.cost import collective_s, load_profile
-    from partitioner.report import collective_calls
+    from partitioner.planning.cost import collective_s, load_profile
+    from partitioner.planning.report import collective_calls
 
     def output_projection_sum(partitioned, target):
         return next(n for n in partitioned.graph_module.graph.nodes if n.target is target

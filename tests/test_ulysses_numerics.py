@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner import collectives
+from partitioner.runtime import collectives
 from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)

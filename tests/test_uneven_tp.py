@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import partitioner
-from partitioner import collectives
+from partitioner.runtime import collectives
 from partitioner.placement import shard_sizes, slice_local
 from partitioner.testing import (TINY_H3, drop_all_reduce, fake_mesh, flux_inputs, full_h3_on_meta, h3_inputs,
                                  run_ranks, tiny_flux, tiny_h3)
@@ -139,7 +139,7 @@ def test_uneven_shards_load_from_a_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module", params=[15])
 def full_h3_tp16(request):
-    from partitioner.planner import apply_dtype
+    from partitioner.planning.planner import apply_dtype
 
     model, inputs = full_h3_on_meta()
     model = apply_dtype(model, torch.bfloat16)  # as the real checkpoint: bf16, its keep-in-fp32 modules float32

@@ -279,7 +279,7 @@ def test_a_float_input_is_never_specialised():
 # --- what the shadow follows, and what it refuses (traced in this process) -------------------------------------------
 
 def _trace(model, *inputs):
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     return trace(model, (inputs, {}))
 

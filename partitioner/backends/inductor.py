@@ -20,7 +20,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
-from ..regions import repeated_block, runs_of_blocks
+from ..passes.regions import repeated_block, runs_of_blocks
 from .base import Backend, register
 
 

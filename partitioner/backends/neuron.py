@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from .. import collectives
 from ..errors import BackendError
+from ..frontend.trace import copy_graph_module
 from ..passes import narrow_indices, pad_attention
 from ..passes.annotate_heads import module_path
-from ..trace import copy_graph_module
+from ..runtime import collectives
 from .base import Backend, register
 
 _COLLECTIVES = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,

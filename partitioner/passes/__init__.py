@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (annotate_heads, chunk_reductions, gather_scatters, hoist_host, insert_collectives, localize,
-               pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs, schedule_collectives)
+from . import (annotate_heads, chunk_reductions, collective_kernels, gather_scatters, hoist_host, insert_collectives,
+               localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs,
+               schedule_collectives)
 from .runner import run_passes
 
 
@@ -55,7 +56,10 @@ TO_RANK = (
     Pass("insert_collectives", insert_collectives.run, insert_collectives.check,
          ("plan_sharding", "plan_sequence", "plan_tp_sequence"),
          "every input of every node is placed as the node requires"),
-    Pass("localize", localize.run, localize.check, ("insert_collectives",),
+    Pass("collective_kernels", collective_kernels.run, collective_kernels.check, ("insert_collectives",),
+         "attentions over ring-sharded keys are ring_attention, convolutions over split rows halo_convolution, "
+         "masks read in the order a packed exchange delivers rows"),
+    Pass("localize", localize.run, localize.check, ("collective_kernels",),
          "every value has this rank's shape; every sharded tensor has a slicing spec"),
     Pass("chunk_reductions", chunk_reductions.run, chunk_reductions.check, ("localize",),
          "a row-parallel linear whose all_reduce pays to hide runs in row chunks, each chunk's sum in flight "

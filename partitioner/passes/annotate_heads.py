@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
 from ..errors import InvariantError
 from ..rules import shape_of
+from .context import PassContext
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ chunk i's all_reduce is issued before chunk i+1's matmul, so the sum of chunk i 
 computed, and the chunks are concatenated after their waits. A linear and a sum over ranks both act row by row,
 so the result holds the same values (the same products summed in the same order, row by row).
 
-The cost rule, with t_m the matmul's time and t_c the all_reduce's on the device profile (``partitioner.cost``):
+The cost rule, with t_m the matmul's time and t_c the all_reduce's on the device profile (``partitioner.planning.cost``):
 n chunks take max(t_m, t_c) + min(t_m, t_c) / n (a two-stage pipeline; where the profile's ``overlap`` share is
 below 1, only that share of the overlapped time is saved) plus, per extra chunk, one more message's latency, and
 the concatenation's copy once; the n in ``CHUNKS`` with the least time wins if it saves at least
@@ -21,11 +21,11 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
-from ..cost import collective_s, load_profile
 from ..errors import InvariantError
 from ..placement import local_shape
+from ..planning.cost import collective_s, load_profile
 from .annotate_heads import module_path
+from .context import PassContext
 
 aten = torch.ops.aten
 functional = torch.ops._c10d_functional

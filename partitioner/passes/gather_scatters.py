@@ -34,12 +34,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
 from ..errors import InvariantError
 from ..mesh import SEQUENCE_AXES
-from ..rules.pointwise import SAME_AS_INPUT
 from ..rules import rule_for
-from ..sequence_dims import find_sequence_dims
+from ..rules.pointwise import SAME_AS_INPUT
+from ..rules.sequence_dims import find_sequence_dims
+from .context import PassContext
 from .plan_sequence import ancestors
 
 aten = torch.ops.aten

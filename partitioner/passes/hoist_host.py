@@ -24,11 +24,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ..context import PassContext
 from ..errors import DataDependentNumber, InvariantError
-from ..padding import follow_padding
+from ..frontend.padding import follow_padding
+from ..frontend.trace import GraphInput, source_line
 from ..rules import PartitionError
-from ..trace import GraphInput, source_line
+from .context import PassContext
 
 # Trace-time checks on sizes: true by construction once shapes are static and bounded.
 _SIZE_CHECKS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,

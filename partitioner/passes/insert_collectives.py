@@ -14,8 +14,7 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Shard(a) -> Shard(b): ``collectives.all_to_all_start`` and ``_wait`` (Ulysses: sequence-sharded <->
   head-sharded).
 - Replicate -> Shard: a local slice of this rank's part; no communication.
-- an attention whose keys a ring axis shards: ``collectives.ring_attention`` (key/value blocks passed round).
-- a convolution whose rows a sequence axis splits: ``collectives.halo_convolution`` (rows borrowed from neighbours).
+(Attentions over ring-sharded keys and convolutions over split rows become kernels in ``collective_kernels``.)
 
 New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 """
@@ -27,15 +26,12 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
 from ..errors import InvariantError
-from .. import collectives
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
-from ..mesh import SEQUENCE_AXES
-from ..rules.attention import RING_AXES
-from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of
+from ..runtime import collectives
+from .context import PassContext
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -72,7 +68,7 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Nod
     return _annotate(added, linear, axis, placement, {reduced: placement, bias: R})
 
 
-def _rekey(user: Node, old: Node, new: Node) -> None:
+def rekey(user: Node, old: Node, new: Node) -> None:
     """``user`` now reads ``new`` where it read ``old``: its requirements (every axis) follow."""
     for requirements in user.meta["required"].values():
         if old in requirements:
@@ -98,7 +94,7 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
         result = _move_bias_after(producer, summed, axis, placement)
     for user in users:
         user.replace_input_with(producer, result)
-        _rekey(user, producer, result)
+        rekey(user, producer, result)
     return result
 
 
@@ -119,7 +115,7 @@ def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, ax
 
 def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     users = list(producer.users)
-    sizes = _axis_sizes(producer, placement, axis, ctx)
+    sizes = axis_sizes(producer, placement, axis, ctx)
     summed = _issued(producer, collectives.reduce_scatter_start, (placement.dim, sizes, ctx.mesh.group_name(axis)),
                      collectives.reduce_scatter_wait, (placement.dim, sizes[ctx.mesh.coordinate(axis)]), axis,
                      Partial(), placement, "reduce_scatter")
@@ -133,13 +129,13 @@ def _scattered_as(producer: Node, axis: str):
     return placement if isinstance(placement, (Shard, InnerShard)) else None
 
 
-def _axis_sizes(producer: Node, placement, axis: str, ctx: PassContext) -> list[int]:
+def axis_sizes(producer: Node, placement, axis: str, ctx: PassContext) -> list[int]:
     """How many elements of ``placement``'s dim each rank of ``axis`` holds: the size left by outer axes, split as
     the placement says (as evenly as can be, in whole units)."""
-    return shard_widths(placement, _split_size(producer, placement, axis, ctx), ctx.mesh.size(axis))
+    return shard_widths(placement, split_size(producer, placement, axis, ctx), ctx.mesh.size(axis))
 
 
-def _split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
+def split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
     """The size of ``placement``'s dim that ``axis`` splits: what the axes applied before it leave (all the others
     for an ``InnerShard``)."""
     placements = {**producer.meta["placements"], axis: placement}
@@ -147,11 +143,11 @@ def _split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
 
 
 def _all_gather(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
-    sizes = _axis_sizes(producer, placement, axis, ctx)
+    sizes = axis_sizes(producer, placement, axis, ctx)
     gathered = _issued(producer, collectives.all_gather_start, (placement.dim, sizes, ctx.mesh.group_name(axis)),
                        collectives.all_gather_wait, (placement.dim, sizes), axis, placement, R, "all_gather")
     if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
-        size = _split_size(producer, placement, axis, ctx)
+        size = split_size(producer, placement, axis, ctx)
         return _in_sequence_order(gathered, producer, placement, size, axis, ctx)
     return gathered
 
@@ -190,8 +186,8 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     if packed and (not around_attention or current.dim == required.dim):
         raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact for an attention's "
                              "query, key and value and its output")
-    dims = (required.dim, current.dim, _axis_sizes(producer, required, axis, ctx),
-            _axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
+    dims = (required.dim, current.dim, axis_sizes(producer, required, axis, ctx),
+            axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
     # (the wait names the shape it joins: the global one here, this rank's once localize has run)
     exchange = _issued(producer, collectives.all_to_all_start, (*dims, ctx.mesh.group_name(axis)),
                        collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims), axis, current,
@@ -212,7 +208,7 @@ def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], a
 def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     """This rank's part of a replicated value: free, no communication."""
     graph = producer.graph
-    size = _split_size(producer, placement, axis, ctx)
+    size = split_size(producer, placement, axis, ctx)
     num, ranges = ctx.mesh.size(axis), shard_slices(placement, size, ctx.mesh.size(axis), ctx.mesh.coordinate(axis))
     if len(ranges) == 1:
         pieces = [(placement, None)]
@@ -296,7 +292,7 @@ def _scale_partial_means(gm: GraphModule, ctx: PassContext) -> None:
                 scaled.meta[key] = node.meta[key]
         for user in users:
             user.replace_input_with(node, scaled)
-            _rekey(user, node, scaled)
+            rekey(user, node, scaled)
 
 
 def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
@@ -325,106 +321,6 @@ def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
         node.meta["collective"] = ("all_reduce", axis)
 
 
-def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int, attention: Node) -> Node:
-    """``mask`` with its ``dim`` reordered as a packed exchange delivers rows: rank by rank, each rank's part of
-    every block in turn."""
-    pieces, val = [], mask.meta["val"]
-    with graph.inserting_before(attention):
-        for start, end in delivery_order(PackedShard(dim, blocks), sum(blocks), ranks):
-            piece = graph.call_function(aten.slice.Tensor, (mask, dim, start, end))
-            _like(piece, mask, val.narrow(dim, start, end - start))
-            pieces.append(piece)
-        joined = graph.call_function(aten.cat.default, (pieces, dim))
-    with val.fake_mode:
-        _like(joined, mask, torch.cat([p.meta["val"] for p in pieces], dim))
-    return joined
-
-
-def _like(node: Node, mask: Node, val) -> None:
-    """A rewrite of ``mask`` along dims no axis shards: its placements, reading its inputs as they are."""
-    node.meta["val"] = val
-    node.meta["placements"] = dict(mask.meta["placements"])
-    node.meta["required"] = {axis: {n: n.meta["placements"][axis] for n in node.all_input_nodes}
-                             for axis in mask.meta["placements"]}
-
-
-def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
-    """An attention whose query or key rows came through a packed exchange (a joint sequence, rank by rank) reads
-    its mask in that order too."""
-    for node in list(gm.graph.nodes):
-        if node.target is not _ATTENTION or all(n in node.args[:3] for n in node.all_input_nodes):
-            continue
-        q, k = node.args[:2]
-        orders = {-2: q.meta.get("rank_order"), -1: k.meta.get("rank_order")}
-        for mask in [n for n in node.all_input_nodes if n not in node.args[:3]]:
-            for dim, order in orders.items():
-                if order is not None and mask.meta["val"].shape[dim] != 1:
-                    axis, blocks = order
-                    reordered = _rank_order(gm.graph, mask, dim % mask.meta["val"].dim(), blocks,
-                                            ctx.mesh.size(axis), node)
-                    node.replace_input_with(mask, reordered)
-                    _rekey(node, mask, reordered)
-                    mask = reordered
-
-
-def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
-    """An attention whose keys a ring axis shards becomes ``collectives.ring_attention``: its q, k and v are this
-    rank's rows (after any Ulysses exchange), the key/value blocks travel round the ring inside it."""
-    for node in gm.graph.nodes:
-        if node.target is not _ATTENTION:
-            continue
-        q, k, v = node.args[:3]
-        axes = [axis for axis in RING_AXES if axis in node.meta["required"]
-                and is_sharded(node.meta["required"][axis].get(k, R))]
-        if not axes:
-            continue
-        if len(axes) > 1:
-            raise PartitionError(f"{node.name}: keys sharded over several ring axes {axes}")
-        axis = axes[0]
-        keys = node.meta["required"][axis][k]
-        rows = _axis_sizes(k, keys, axis, ctx)
-        mask = _attention_mask(node)
-        size = _split_size(k, keys, axis, ctx)  # each rank's key columns of the mask: its part of every block
-        columns = [shard_slices(keys, size, ctx.mesh.size(axis), holder) for holder in range(ctx.mesh.size(axis))]
-        node.target = collectives.ring_attention
-        node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis),
-                     *((mask, columns) if mask is not None else ()))
-        node.kwargs = {}
-        node.meta["collective"] = ("ring_pass", axis)
-
-
-def _attention_mask(node: Node) -> Node | None:
-    """The attn_mask argument of a scaled_dot_product_attention node, if any."""
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    return mask if isinstance(mask, Node) else None
-
-
-def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
-    """A convolution whose input rows a sequence axis splits along a spatial dim becomes
-    ``collectives.halo_convolution``: each rank borrows the kernel's reach of rows from its two neighbours."""
-    for node in gm.graph.nodes:
-        if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
-            continue
-        x, required = node.args[0], node.meta["required"]
-        spatial = {axis: required[axis][x] for axis in SEQUENCE_AXES
-                   if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
-        if not spatial:
-            continue
-        dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]
-        if len(spatial) > 1 or dims.count(next(iter(spatial.values())).dim) > 1:
-            raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
-                                 f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
-        (axis, placement), = spatial.items()
-        stride, padding, dilation, _ = conv_arguments(node)
-        bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
-        node.target = collectives.halo_convolution
-        node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
-                     padding[placement.dim - 2], ctx.mesh.coordinate(axis), ctx.mesh.size(axis),
-                     ctx.mesh.group_name(axis))
-        node.kwargs = {}
-        node.meta["collective"] = ("halo_exchange", axis)
-
-
 def _kind(current, required) -> str:
     if current == R and is_sharded(required):
         return "slice_inner" if isinstance(required, InnerShard) else "slice"
@@ -450,10 +346,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for kind, axes in _phases(ctx.mesh.axis_names):
         for axis in axes:
             _redistribute_axis(gm, ctx, axis, kind)
-    _masks_in_rank_order(gm, ctx)
     _distribute_norms(gm, ctx)
-    _ring_attentions(gm, ctx)
-    _halo_convolutions(gm, ctx)
     return gm
 
 
@@ -479,7 +372,7 @@ def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, kind: str) 
             if key not in redistributed:
                 redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
             node.replace_input_with(producer, redistributed[key])
-            _rekey(node, producer, redistributed[key])
+            rekey(node, producer, redistributed[key])
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:

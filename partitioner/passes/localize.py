@@ -19,13 +19,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .. import collectives
-from ..context import PassContext
 from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
 from ..rules.conv import GROUPS_ARGUMENT, groups_of
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.views import block_range
+from ..runtime import collectives
+from .context import PassContext
 
 aten = torch.ops.aten
 _SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from ..context import PassContext
 from ..errors import InvariantError, PartitionError
-from ..padding import follow_padding
-from ..preflight import index_operands, computable_from_call
+from ..frontend.padding import follow_padding
+from ..runtime.preflight import computable_from_call, index_operands
+from .context import PassContext
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:

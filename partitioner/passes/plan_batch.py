@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
 from ..errors import InvariantError, PartitionError
 from ..mesh import BATCH_AXES
 from ..placement import Shard, any_sharded
-from ..propagate import sweep
 from ..rules import Decision, rule_for, shape_of
+from ..rules.propagate import sweep
+from .context import PassContext
 
 
 def batch_axis(ctx: PassContext) -> str | None:

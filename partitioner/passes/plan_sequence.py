@@ -8,7 +8,7 @@ keeps every rank's rows and sends key/value blocks round the ring (``rules/atten
 
 How the plan is found:
 
-1. Which dim of each value holds an attention's rows is read from the graph (``partitioner.sequence_dims``: from
+1. Which dim of each value holds an attention's rows is read from the graph (``partitioner.rules.sequence_dims``: from
    every attention's q, k and v back to what they are computed from, through each op's own rule), never from
    sizes: a row count equal to a head count or a feature width changes nothing.
 2. Candidates: every user input and op result that feeds an attention and has such a dim; each is offered sharded
@@ -34,15 +34,15 @@ import warnings
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
+from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, Shard, any_sharded
-from ..propagate import sweep
-from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
 from ..rules.pointwise import SIZE_ARGUMENT
-from ..sequence_dims import SequenceDims, find_sequence_dims
+from ..rules.propagate import sweep
+from ..rules.sequence_dims import SequenceDims, find_sequence_dims
+from .context import PassContext
 
 R = Replicate()
 
@@ -93,7 +93,7 @@ def _unpacked(decision: Decision, node: Node) -> Decision:
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
                refused: dict[Node, str], rows: SequenceDims, own, gathered: set[Node], gather_done: bool,
                packs: bool):
-    """One sweep (``partitioner.propagate``): decisions, the seeds that failed before an attention (with why), and
+    """One sweep (``partitioner.rules.propagate``): decisions, the seeds that failed before an attention (with why), and
     the values to gather once their own attentions are done.
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
     refuses its sequence-sharded inputs is recorded in ``refused``; after the last attention a refusal just gathers

@@ -9,7 +9,7 @@ two disagree, ``insert_collectives`` redistributes. Parameters and buffers are p
 How the plan is found, from the graph's structure alone (no per-model list):
 
 1. Every linear starts as a column-wise candidate (a "seed"). Placements are propagated through the graph with the
-   rules in ``partitioner/rules/`` (one sweep of ``partitioner/propagate.py`` per round). A linear whose input features arrive sharded becomes row-wise (its output is
+   rules in ``partitioner/rules/`` (one sweep of ``partitioner/rules/propagate.py`` per round). A linear whose input features arrive sharded becomes row-wise (its output is
    Partial and is all-reduced). Candidates whose sharding reaches an op that cannot carry it (a norm over the
    features, a reshape that mixes features with rows, the graph output, ...) are dropped and propagation reruns,
    until nothing fails. What remains are column -> row regions: q/k/v -> heads -> attention -> output projection;
@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
-from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
 from ..errors import InvariantError, PartitionError
-from ..propagate import sweep
+from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
 from ..rules.core import with_dim
+from ..rules.propagate import sweep
 from ..rules.views import degree_above_heads
+from .context import PassContext
 
 AXIS = "tp"
 STYLES = ("colwise", "rowwise", "replicate")
@@ -81,7 +81,7 @@ def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node,
 
 
 def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree: int) -> _Propagation:
-    """One sweep (``partitioner.propagate``): placements for every node, and which column candidates failed and why.
+    """One sweep (``partitioner.rules.propagate``): placements for every node, and which column candidates failed and why.
 
     A ``gathered`` linear keeps its column-sharded output, but its consumers see it replicated, so that
     insert_collectives gathers it once, right after the linear."""

@@ -11,12 +11,12 @@ plan of every op it shards is unchanged. ``ctx.tp_sequence`` says what was decid
 How:
 
 1. Seeds: every partial sum over tp (a row-parallel linear's output) whose rows the graph shows (the dim that
-   carries an attention's rows, ``partitioner.sequence_dims``) is offered to its consumers sharded along them.
-2. One sweep of ``partitioner.propagate`` with the sequence-axis rules on the ops the tp plan left replicated; an op
+   carries an attention's rows, ``partitioner.rules.sequence_dims``) is offered to its consumers sharded along them.
+2. One sweep of ``partitioner.rules.propagate`` with the sequence-axis rules on the ops the tp plan left replicated; an op
    the tp plan shards keeps its decision and takes its inputs as the plan says (a row-sharded input it needs whole
    is gathered). A seed that reaches a sharded op needing its rows in another layout than whole is dropped and the
    sweep reruns. An attention the tp plan left whole is never row-sharded here (that would be Ulysses over tp).
-3. The cost rule (``partitioner.cost``, the overlap profile): the repeated work saved, each row-sharded op's time
+3. The cost rule (``partitioner.planning.cost``, the overlap profile): the repeated work saved, each row-sharded op's time
    times (tp - 1) / tp, against the communication added, a reduce-scatter instead of each all_reduce and an
    all_gather for every value gathered (a reduce-scatter and an all-gather move what one all-reduce moves).
    The all_reduce they replace may hide behind compute (with overlap on it counts only the share the profile says
@@ -38,15 +38,15 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
-from ..cost import collective_s, load_profile, node_compute_s
 from ..placement import InnerShard, Partial, Replicate, Shard, any_sharded, is_sharded, local_shape
-from ..propagate import sweep
-from ..report import nbytes
+from ..planning.cost import collective_s, load_profile, node_compute_s
+from ..planning.report import nbytes
 from ..rules import Decision, Unshardable, rule_for, shape_of
-from ..sequence_dims import find_sequence_dims
-from .plan_sequence import ancestors
+from ..rules.propagate import sweep
+from ..rules.sequence_dims import find_sequence_dims
 from . import plan_sharding
+from .context import PassContext
+from .plan_sequence import ancestors
 from .plan_sharding import linear_path
 
 AXIS = "tp"
@@ -270,7 +270,6 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if skipped:
         ctx.tp_sequence = f"rows whole on every tp rank: {skipped}"
         return gm
-    attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION]
     model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     rows = find_sequence_dims(gm, lambda node: rule_for(node, sequence_axis="ulysses"),
                               skip=model_tensors.__contains__)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..context import PassContext
 from ..errors import InvariantError
 from ..rules.conv import conv_arguments, groups_of
+from .context import PassContext
 
 aten = torch.ops.aten
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)

@@ -9,7 +9,7 @@ repeated block's run of nodes (Inductor's regions stay whole, one compilation pe
 The rule is a list schedule over each run of nodes, in the original order except that
 - a collective whose turn has come (its inputs computed, every earlier collective issued) goes first;
 - a wait (``wait_tensor``) gives way to any other node that is ready while the collective's estimated time on the
-  device profile (``partitioner.cost``; the share of it compute can hide, the profile's ``overlap``) is not yet
+  device profile (``partitioner.planning.cost``; the share of it compute can hide, the profile's ``overlap``) is not yet
   covered by the compute run since it was issued. Giving way past that would only keep more values alive, so it
   stops there; on a profile where nothing can be hidden nothing moves.
 Overlap is never bought with memory: a node is hoisted over a wait only while the run's values stay within the
@@ -29,12 +29,12 @@ from collections import Counter
 
 from torch.fx import GraphModule, Node
 
-from .. import collectives
-from ..context import PassContext
-from ..cost import collective_s, load_profile, node_compute_s
 from ..errors import InvariantError
-from ..regions import runs_of_blocks
-from ..report import aliases, collective_calls, held_bytes
+from ..planning.cost import collective_s, load_profile, node_compute_s
+from ..planning.report import aliases, collective_calls, held_bytes
+from ..runtime import collectives
+from .context import PassContext
+from .regions import runs_of_blocks
 
 # Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
 HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)

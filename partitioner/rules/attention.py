@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from ..placement import PackedShard, Shard, packed_shard
-from .core import (R, Decision, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs,
+from .core import (Decision, R, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs,
                    with_dim)
 
 aten = torch.ops.aten

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .. import collectives
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Partial, is_sharded, shard_slices
-from .core import R, Decision, NeedsUnit, Unshardable, register, register_factory, shape_of, with_dim
+from ..runtime import collectives
+from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, shape_of, with_dim
 
 aten = torch.ops.aten
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)

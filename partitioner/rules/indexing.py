@@ -7,9 +7,9 @@ import torch
 from torch.fx import Node
 
 from ..placement import PackedShard, Shard, is_sharded, packed_shard, unit_of
-from .core import R, Decision, Unshardable, norm_dim, register, shape_of, with_dim
+from .core import Decision, R, Unshardable, norm_dim, register, shape_of, with_dim
 from .pointwise import pointwise_on
-from .views import splits_in_units, block_range, blocks_placement, slice_bounds, slice_like
+from .views import block_range, blocks_placement, slice_bounds, slice_like, splits_in_units
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from ..placement import Partial, Shard, is_sharded, packed_shard
-from .core import R, Decision, LinearRoles, Unshardable, register, register_factory, shape_of, with_dim
+from .core import Decision, LinearRoles, R, Unshardable, register, register_factory, shape_of, with_dim
 from .views import too_few_heads
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 from ..placement import Partial, Shard, is_sharded
-from .core import R, Decision, Unshardable, register, shape_of, with_dim
+from .core import Decision, R, Unshardable, register, shape_of, with_dim
 
 aten = torch.ops.aten
 

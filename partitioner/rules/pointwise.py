@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .core import R, Decision, Unshardable, register, same_as_input, shape_of, sharded_inputs, with_dim
+from .core import Decision, R, Unshardable, register, same_as_input, shape_of, sharded_inputs, with_dim
 
 aten = torch.ops.aten
 

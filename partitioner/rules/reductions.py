@@ -6,7 +6,7 @@ import torch
 from torch.fx import Node
 
 from ..placement import Partial, is_sharded
-from .core import R, Decision, Unshardable, norm_dim, register, same_as_input, shape_of, with_dim
+from .core import Decision, R, Unshardable, norm_dim, register, same_as_input, shape_of, with_dim
 
 aten = torch.ops.aten
 

@@ -27,7 +27,7 @@ def peak_allocated_bytes(call: Callable[[], object]) -> int:
 def traced_peak_bytes(model: torch.nn.Module, inputs: dict) -> int:
     """The peak of one call of ``model``'s traced single-device graph (what partitions are compared with: a graph
     frees each value after its last use, while eager Python keeps a forward's locals alive until it returns)."""
-    from ..trace import trace
+    from ..frontend.trace import trace
 
     traced = trace(model, ((), inputs))
     values = list(inputs.values())

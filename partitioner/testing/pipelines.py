@@ -131,7 +131,8 @@ def tiny_flux_pipeline(seed: int = 0, *, heads: int = 4):
 def tiny_sd3_pipeline(seed: int = 0, *, heads: int = 4):
     """``StableDiffusion3Pipeline``: a 2-block SD3 (``heads`` x 16, RMS qk-norm), two CLIPs with projection and T5
     (joint text rows: the CLIPs' 16 then T5's ``max_sequence_length``), a one-level ``AutoencoderKL``."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
 
     tokenizer, tokenizer_2, tokenizer_3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
     torch.manual_seed(seed)
@@ -178,8 +179,8 @@ def tiny_wan_pipeline(seed: int = 0, *, experts: int = 1, heads: int = 4):
 def tiny_qwen_image_pipeline(seed: int = 0, *, heads: int = 4):
     """``QwenImagePipeline``: a 2-block QwenImage (``heads`` x 16), a Qwen2.5-VL text encoder (its chat template
     tokenized byte by byte), ``AutoencoderKLQwenImage`` (4 latent channels, 4x spatial compression)."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
 
     tokenizer = qwen2_tokenizer()
     torch.manual_seed(seed)
@@ -200,9 +201,9 @@ def _h3_blocks():
     VAEs)."""
     from diffusers.modular_pipelines import ModularPipelineBlocks, SequentialPipelineBlocks
     from diffusers.modular_pipelines.minimax_h3.denoise import (MiniMaxH3DenoiseStep, MiniMaxH3LoopDenoiser,
-                                                                 MiniMaxH3LoopSchedulerStep)
+                                                                MiniMaxH3LoopSchedulerStep)
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (MiniMaxH3CoreDenoiseStep,
-                                                                                   MiniMaxH3DecodeStep)
+                                                                                  MiniMaxH3DecodeStep)
 
     class RecordLatents(ModularPipelineBlocks):
         """Appends the packed video and audio rows after each step to the pipeline's ``recorded_steps`` list."""

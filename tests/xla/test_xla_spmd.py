@@ -112,7 +112,7 @@ def test_mixed_precision_h3_as_the_checkpoint_is():
     """bf16 weights with the float32 modules H3 keeps: the plan's collectives, and outputs no further from the CPU
     bf16 model than bf16 itself is from float32 (bf16 rounding differs with the summation order; measured 3e-3
     against 1.4e-2)."""
-    from partitioner.planner import apply_dtype
+    from partitioner.planning.planner import apply_dtype
 
     model, reference = apply_dtype(tiny_h3(), torch.bfloat16), tiny_h3()
     inputs = h3_inputs(TINY_H3)

@@ -44,7 +44,6 @@ from collections import Counter
 from torch.fx import GraphModule
 
 from ..base import Backend, register
-
 # What callers and tests import from ``partitioner.backends.xla`` (``_linear`` and ``_split_packed``: the packed-layout
 # tests).
 from .errors import CollectiveMismatch, XlaBackendError  # noqa: F401

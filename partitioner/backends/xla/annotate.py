@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from .errors import XlaBackendError
-from .layouts import Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec, partition_spec
-from .ops import (_SPLITS, _attention, _cat_as_packed, _grouped_conv_packed, _layer_norm, _linear, _moved_packed,
-                  _pointwise_packed, _ring_attention, _split_packed)
 from ...placement import Shard, is_sharded
 from ...rules.attention import RING_AXES
 from ...rules.conv import GROUPS_ARGUMENT
+from .errors import XlaBackendError
+from .layouts import (Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec,
+                      partition_spec)
+from .ops import (_SPLITS, _attention, _cat_as_packed, _grouped_conv_packed, _layer_norm, _linear, _moved_packed,
+                  _pointwise_packed, _ring_attention, _split_packed)
 
 aten = torch.ops.aten
 

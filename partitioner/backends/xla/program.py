@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Node
 
+from ...frontend.trace import copy_graph_module
 from ...mesh import MeshSpec
-from ...runtime import place_graph_on
-from ...trace import copy_graph_module
+from ...runtime.program import place_graph_on
 from .annotate import _annotate, _Annotator
 from .errors import CollectiveMismatch, XlaBackendError
 from .hlo import HloCollective, compare, hlo_collectives

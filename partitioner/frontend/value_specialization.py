@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import TraceError
+from ..errors import TraceError
 
 # Tensor methods answered from shape, dtype or device alone (properties too: ``__get__``), unless they return a
 # tensor (``x.T``, ``x.type(torch.float)``), which is then shadowed like any op's.

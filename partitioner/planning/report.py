@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.fx import GraphModule
 
-from .context import PassContext
-from .mesh import SEQUENCE_AXES
-from .placement import is_sharded, local_shape
+from ..mesh import SEQUENCE_AXES
+from ..passes.context import PassContext
+from ..placement import is_sharded, local_shape
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def aliases(node) -> bool:
     source = node.args[0] if node.args else None
     if node.op != "call_function" or not isinstance(source, torch.fx.Node):
         return False
-    from .collectives import all_gather_wait, reduce_scatter_wait
+    from ..runtime.collectives import all_gather_wait, reduce_scatter_wait
 
     if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, reduce_scatter_wait):
         return True
@@ -159,7 +159,7 @@ def held_bytes(node) -> int:
     """The bytes a node's value holds while it lives: the value, and for a collective issued by this package (its
     ``*_start``) also the copy it sends, which the collective holds until it is waited on (the issuing node's last
     use): overlapped exchanges hold their send buffers at once."""
-    from . import collectives as c
+    from ..runtime import collectives as c
 
     held = nbytes(node.meta.get("val"))
     if node.target in c.STARTS:
@@ -173,7 +173,7 @@ def _workspace(node) -> int:
     in flight (the one it sends on and the one arriving), its float32 partial results (the running output and
     this block's, merged in place) and, off CPU, each block's scores. (An issued collective's buffers are values:
     ``held_bytes``.)"""
-    from . import collectives as c
+    from ..runtime import collectives as c
 
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
@@ -223,8 +223,8 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 def collective_calls(node) -> tuple[int, int]:
     """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
     collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
-    from .collectives import (halo_convolution, reduce_scatter_start, ring_attention, sharded_layer_norm,
-                              sharded_rms_norm)
+    from ..runtime.collectives import (halo_convolution, reduce_scatter_start, ring_attention, sharded_layer_norm,
+                                       sharded_rms_norm)
 
     val = node.meta["val"]
     if node.target is halo_convolution:  # the rows borrowed from (and lent to) each neighbour
@@ -291,7 +291,7 @@ def _attentions_sharded(ctx: PassContext) -> tuple[int, int] | None:
     """(attentions sequence-sharded over every sequence axis, attentions), without a sequence axis None."""
     if not any(ctx.mesh.size(axis) > 1 for axis in SEQUENCE_AXES):
         return None
-    from .passes.plan_sequence import attention_counts
+    from ..passes.plan_sequence import attention_counts
 
     return attention_counts(ctx)
 

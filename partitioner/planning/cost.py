@@ -62,7 +62,7 @@ class DeviceProfile:
     sources: dict[str, str] = field(default_factory=dict)  # where each figure comes from
 
     def __post_init__(self):
-        from .errors import InputError
+        from ..errors import InputError
 
         figures = ("matmul_tflops", "memory_gbps", "memory_bytes", "ranks_per_chip", "local_gbps", "link_gbps")
         bad = [f"{name}={getattr(self, name)!r}" for name in figures if not getattr(self, name) > 0]
@@ -80,9 +80,9 @@ class DeviceProfile:
 
 
 def load_profile(name_or_path: "str | Path | DeviceProfile") -> DeviceProfile:
-    """A profile by name (``trn2``, ``h100-nvlink``, ``h200-nvlink``, ``cpu-gloo``: ``partitioner/profiles``) or
+    """A profile by name (``trn2``, ``h100-nvlink``, ``h200-nvlink``, ``cpu-gloo``: ``partitioner/planning/profiles``) or
     from a JSON file (``partitioner calibrate`` writes one)."""
-    from .errors import InputError
+    from ..errors import InputError
 
     if isinstance(name_or_path, DeviceProfile):
         return name_or_path
@@ -118,7 +118,7 @@ class StepTime:
 
 def matmul_flops(node) -> float:
     """FLOPs of a matmul node; 0 for anything else. A ring attention's keys are the whole ring's."""
-    from .collectives import ring_attention
+    from ..runtime.collectives import ring_attention
 
     if node.target is aten.linear.default:
         return 2 * node.meta["val"].numel() * node.args[1].meta["val"].shape[1]
@@ -134,7 +134,7 @@ def matmul_flops(node) -> float:
 
 def _only_moves_data(node) -> bool:
     """A collective that computes nothing (sharded norms and ring attention compute as well as communicate)."""
-    from . import collectives as c
+    from ..runtime import collectives as c
 
     return node.target in (*c.STARTS, *c.WAITS) or "_c10d_functional" in str(node.target)
 
@@ -191,7 +191,7 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
     collective at a time), a synchronous one is waited on at once and an asynchronous one (a functional collective
     with its own wait) only at its wait, so the compute scheduled between them covers it (the profile's
     ``overlap`` share of it: the rest of that time the two contend)."""
-    from .collectives import WAITS, ring_attention
+    from ..runtime.collectives import WAITS, ring_attention
     from .report import collective_calls
 
     compute = flops = moved = comm = 0.0

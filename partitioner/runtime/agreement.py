@@ -27,8 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
 from .collectives import WAITS
-from .errors import CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
 
 DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
 _GROUPS: dict[tuple, "RankGroups"] = {}  # groups are costly to create: reused across partitions of one mesh

@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from .placement import PackedShard, Replicate, Shard, is_sharded
-from .rules import NeedsPacking, NeedsUnit, Unshardable
+from ..placement import PackedShard, Replicate, Shard, is_sharded
+from . import NeedsPacking, NeedsUnit, Unshardable
 
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 _JOINS = (torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default)

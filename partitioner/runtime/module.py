@@ -23,11 +23,11 @@ from collections import OrderedDict
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError, TraceError
+from ..errors import InputError, TraceError
+from ..frontend.padding import pad_named
+from ..frontend.trace import argument_name, bind_forward
 from .agreement import call_signature, value_digest
-from .padding import pad_named
-from .runtime import CompiledPartition, call_arguments, describe_call, input_names
-from .trace import argument_name, bind_forward
+from .program import CompiledPartition, call_arguments, describe_call, input_names
 
 
 class PartitionedModule(torch.nn.Module):

@@ -2,7 +2,7 @@
 it fits a device, and a search over layouts ranked by a physical step-time model. No weight is ever allocated.
 
 Each layout is partitioned for rank 0 (the largest share where splits are uneven) and its graph costed by
-``partitioner/cost.py`` on a device profile (``partitioner/profiles/*.json``, or one ``partitioner calibrate``
+``partitioner/planning/cost.py`` on a device profile (``partitioner/planning/profiles/*.json``, or one ``partitioner calibrate``
 wrote): compute from FLOPs and bytes at the device's sustained rates, communication from each collective's bytes,
 algorithm and the chips its ranks sit on, exposed where the program waits for it. Default profile: one logical
 NeuronCore of a trn2 host.
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..api import partition_traced
+from ..errors import InputError, PartitionError
+from ..mesh import as_mesh_spec
+from ..passes.context import Overlap
 from . import cost
-from .api import partition_traced
-from .context import Overlap
-from .mesh import as_mesh_spec
-from .errors import InputError, PartitionError
 
 MODELS = {"minimax-h3": "MiniMaxH3Transformer3DModel"}
 DEFAULT_PROFILE = "trn2"
@@ -138,7 +138,7 @@ def build_meta_model(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.n
 def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = torch.bfloat16):
     """Meta inputs of one packed request of ``seq_len`` rows. For MiniMax-H3: 512 text rows (fewer for short
     sequences), 1/74 of the rows audio, the rest video, two distinct timesteps."""
-    from .testing import h3_inputs
+    from ..testing import h3_inputs
 
     if type(model).__name__ != "MiniMaxH3Transformer3DModel":
         raise InputError(f"no input layout is known for {type(model).__name__}; use the Python API with your own "

@@ -15,8 +15,8 @@ from typing import Callable
 
 from torch.fx import GraphModule, Node
 
-from .placement import Partial, Replicate, any_sharded
-from .rules import Decision, NeedsPacking, NeedsUnit, Unshardable, replicate_all
+from ..placement import Partial, Replicate, any_sharded
+from . import Decision, NeedsPacking, NeedsUnit, Unshardable, replicate_all
 
 R = Replicate()
 

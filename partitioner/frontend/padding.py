@@ -13,9 +13,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
-from .errors import InputError
-from .placement import PackedShard, Replicate, Shard, any_sharded
-from .rules import PartitionError, Unshardable, rule_for
+from ..errors import InputError
+from ..placement import PackedShard, Replicate, Shard, any_sharded
+from ..rules import PartitionError, Unshardable, rule_for
 from .trace import argument_name
 
 aten = torch.ops.aten

@@ -19,11 +19,8 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
-from .errors import TraceError
-from .value_specialization import (ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward,
-                                   specializable)
-
-
+from ..errors import TraceError
+from .value_specialization import ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward, specializable
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
-from .errors import VerificationError
-from .placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
-from .runtime import place_graph_on
-from .trace import source_line
+from ..errors import VerificationError
+from ..frontend.trace import source_line
+from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
+from .program import place_graph_on
 
 
 @dataclass
@@ -112,7 +112,7 @@ def _shorthand(placement) -> str:
 
 
 def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, atol: float) -> VerifyResult:
-    from .runtime import CompiledPartition
+    from .program import CompiledPartition
 
     mesh = partitioned.mesh
     runner = CompiledPartition(partitioned.graph_module, partitioned, "eager-verify")

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvariantError
-from .mesh import MeshSpec
-from .trace import GraphInput
+from ..errors import InvariantError
+from ..frontend.trace import GraphInput
+from ..mesh import MeshSpec
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class Overlap:
     ``chunk_reductions`` splits a row-parallel linear so its all_reduce overlaps its own matmul, ``schedule``
     issues collectives early and waits late with independent compute in between, ``tp_sequence`` shards the rows
     over tp between the tensor-parallel regions instead of repeating them on every rank. ``profile``: the device
-    profile (``partitioner/profiles``) whose costs decide all three; None picks it from the mesh's device type."""
+    profile (``partitioner/planning/profiles``) whose costs decide all three; None picks it from the mesh's device type."""
     chunk_reductions: bool = True
     schedule: bool = True
     profile: object = None  # a profile name, JSON path or DeviceProfile
@@ -32,7 +32,7 @@ class Overlap:
         fields = ("chunk_reductions", "schedule", "profile", "tp_sequence")
         if isinstance(value, dict) and set(value) <= set(fields):
             return cls(**value)
-        from .errors import InputError
+        from ..errors import InputError
 
         raise InputError(f"overlap={value!r}: use True, False or a dict with keys from {list(fields)}, e.g. "
                          "{'chunk_reductions': False}")

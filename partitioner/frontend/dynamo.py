@@ -23,9 +23,9 @@ import re
 import torch
 from torch.export.graph_signature import InputKind
 
-from ..agreement import DEFAULT_TIMEOUT, call_signature
 from ..errors import InputError
-from ..trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
+from ..runtime.agreement import DEFAULT_TIMEOUT, call_signature
+from .trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
@@ -59,7 +59,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
         raise InputError(f"backend='partitioner' takes options {sorted(_OPTIONS)} with 'mesh' required; "
                          f"got {sorted(options)}")
     from ..api import build_agreed, mesh_with_groups, partition_traced
-    from ..preflight import Preflight
+    from ..runtime.preflight import Preflight
 
     mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT))
     dynamo_inputs = _graph_inputs(gm, example_inputs)

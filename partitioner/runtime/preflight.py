@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .errors import InputError
-from .trace import GraphInput, source_line
+from ..errors import InputError
+from ..frontend.trace import GraphInput, source_line
 
 aten = torch.ops.aten
 

@@ -8,12 +8,10 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import InputError
+from ..frontend.padding import pad_dim
+from ..frontend.trace import argument_name, bind_forward
 from .agreement import call_signature
-from .errors import InputError
-from .padding import pad_dim
-from .trace import argument_name, bind_forward
-
-
 
 
 def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from torch.fx import GraphModule
 
-from .context import PassContext
-from .placement import shorthand
+from ..passes.context import PassContext
+from ..placement import shorthand
 from .report import build_report
 
 _ASSIGNMENT = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import AlreadyPartitioned, InputError, PartitionError
+from ..errors import AlreadyPartitioned, InputError, NotFound, PartitionError
 
 # Methods of a diffusers model that only read it: after partitioning they are answered by the model's skeleton. Any
 # other method of the model (it may change weights or structure) is refused once the model is partitioned.
@@ -138,7 +138,7 @@ class LazyPartition(torch.nn.Module):
         if partitioned:
             target = state.get("_skeleton")
         if target is None or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+            raise NotFound(f"'{type(self).__name__}' object has no attribute '{name}'")
         value = getattr(target, name)  # the model's own AttributeError when it has no such attribute
         if partitioned and inspect.ismethod(value) and value.__self__ is target and name not in _READS:
             return self._refusal(f"{name}()")
@@ -226,7 +226,7 @@ class LazyPartition(torch.nn.Module):
 
     def _call(self, *args, **kwargs):
         if self._module is None:
-            from .api import partition
+            from ..api import partition
 
             model = self._model
             self._refuse_idle_batch_axis(model, args, kwargs)
@@ -242,7 +242,7 @@ class LazyPartition(torch.nn.Module):
     def _refuse_idle_batch_axis(self, model, args, kwargs) -> None:
         """A batch (cfg / dp) axis splits each call's batch: a pipeline that runs classifier-free guidance as one
         call per branch (batch 1) would leave its ranks computing the same rows. Refused before any tracing."""
-        from .mesh import BATCH_AXES
+        from ..mesh import BATCH_AXES
 
         sizes = _mesh_sizes(self._mesh)
         axis = next((name for name in sizes if name in BATCH_AXES and sizes[name] > 1), None)

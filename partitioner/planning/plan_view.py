@@ -13,8 +13,8 @@ import json
 from collections import deque
 from pathlib import Path
 
-from .errors import InputError
-from .passes.annotate_heads import module_path
+from ..errors import InputError
+from ..passes.annotate_heads import module_path
 from .report import collective_calls, human_bytes
 
 UNGROUPED = "(graph)"  # the block of a collective that no module of the model owns

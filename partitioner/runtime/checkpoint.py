@@ -18,9 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
-from .mesh import MeshSpec
-from .placement import PackedShard, is_sharded, shard_slices
+from ..errors import CheckpointError
+from ..mesh import MeshSpec
+from ..placement import PackedShard, is_sharded, shard_slices
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE = "diffusion_pytorch_model.safetensors"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .mesh import MeshSpec
-from .placement import slice_local
+from ..mesh import MeshSpec
+from ..placement import slice_local
 
 
 def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tensor:

@@ -1,1 +1,0 @@
-"""Ways into the partitioner besides ``partitioner.partition``: ``dynamo``, the ``torch.compile`` backend."""

@@ -1,0 +1,156 @@
+"""collective_kernels: the ops that cannot run on split rows as they are become kernels that communicate inside.
+
+Requires: ``insert_collectives`` (every edge placed as its consumer requires).
+Guarantees:
+
+- an attention whose keys a ring axis shards is ``collectives.ring_attention`` (key/value blocks passed round the
+  ring inside it, its mask's key columns picked per block);
+- a convolution whose rows a sequence axis splits along a spatial dim is ``collectives.halo_convolution`` (each
+  rank borrows the kernel's reach of rows from its two neighbours);
+- an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
+  reads its mask in that order too.
+
+New nodes carry ``meta["collective"] = (kind, axis)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..errors import InvariantError
+from ..mesh import SEQUENCE_AXES
+from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
+from ..rules import PartitionError
+from ..rules.attention import RING_AXES
+from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of
+from ..runtime import collectives
+from .context import PassContext
+from .insert_collectives import axis_sizes, rekey, split_size
+
+aten = torch.ops.aten
+_ATTENTION = aten.scaled_dot_product_attention.default
+R = Replicate()
+
+
+def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    _masks_in_rank_order(gm, ctx)
+    _ring_attentions(gm, ctx)
+    _halo_convolutions(gm, ctx)
+    return gm
+
+
+def check(gm: GraphModule, ctx: PassContext) -> None:
+    """Postcondition: no attention is left with ring-sharded keys, no convolution with rows split along a spatial
+    dim."""
+    for node in gm.graph.nodes:
+        required = node.meta.get("required", {})
+        if node.target is _ATTENTION and any(is_sharded(required.get(axis, {}).get(node.args[1], R))
+                                             for axis in RING_AXES):
+            raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
+        if node.target in GROUPS_ARGUMENT and node.target is not collectives.halo_convolution:
+            x = node.args[0]
+            if any(is_sharded(p := required.get(axis, {}).get(x, R)) and p.dim >= 2 for axis in SEQUENCE_AXES):
+                raise InvariantError(f"{node.name}: a convolution over split rows is not a halo_convolution")
+
+
+
+
+def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int, attention: Node) -> Node:
+    """``mask`` with its ``dim`` reordered as a packed exchange delivers rows: rank by rank, each rank's part of
+    every block in turn."""
+    pieces, val = [], mask.meta["val"]
+    with graph.inserting_before(attention):
+        for start, end in delivery_order(PackedShard(dim, blocks), sum(blocks), ranks):
+            piece = graph.call_function(aten.slice.Tensor, (mask, dim, start, end))
+            _like(piece, mask, val.narrow(dim, start, end - start))
+            pieces.append(piece)
+        joined = graph.call_function(aten.cat.default, (pieces, dim))
+    with val.fake_mode:
+        _like(joined, mask, torch.cat([p.meta["val"] for p in pieces], dim))
+    return joined
+
+
+def _like(node: Node, mask: Node, val) -> None:
+    """A rewrite of ``mask`` along dims no axis shards: its placements, reading its inputs as they are."""
+    node.meta["val"] = val
+    node.meta["placements"] = dict(mask.meta["placements"])
+    node.meta["required"] = {axis: {n: n.meta["placements"][axis] for n in node.all_input_nodes}
+                             for axis in mask.meta["placements"]}
+
+
+def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
+    """An attention whose query or key rows came through a packed exchange (a joint sequence, rank by rank) reads
+    its mask in that order too."""
+    for node in list(gm.graph.nodes):
+        if node.target is not _ATTENTION or all(n in node.args[:3] for n in node.all_input_nodes):
+            continue
+        q, k = node.args[:2]
+        orders = {-2: q.meta.get("rank_order"), -1: k.meta.get("rank_order")}
+        for mask in [n for n in node.all_input_nodes if n not in node.args[:3]]:
+            for dim, order in orders.items():
+                if order is not None and mask.meta["val"].shape[dim] != 1:
+                    axis, blocks = order
+                    reordered = _rank_order(gm.graph, mask, dim % mask.meta["val"].dim(), blocks,
+                                            ctx.mesh.size(axis), node)
+                    node.replace_input_with(mask, reordered)
+                    rekey(node, mask, reordered)
+                    mask = reordered
+
+
+def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
+    """An attention whose keys a ring axis shards becomes ``collectives.ring_attention``: its q, k and v are this
+    rank's rows (after any Ulysses exchange), the key/value blocks travel round the ring inside it."""
+    for node in gm.graph.nodes:
+        if node.target is not _ATTENTION:
+            continue
+        q, k, v = node.args[:3]
+        axes = [axis for axis in RING_AXES if axis in node.meta["required"]
+                and is_sharded(node.meta["required"][axis].get(k, R))]
+        if not axes:
+            continue
+        if len(axes) > 1:
+            raise PartitionError(f"{node.name}: keys sharded over several ring axes {axes}")
+        axis = axes[0]
+        keys = node.meta["required"][axis][k]
+        rows = axis_sizes(k, keys, axis, ctx)
+        mask = _attention_mask(node)
+        size = split_size(k, keys, axis, ctx)  # each rank's key columns of the mask: its part of every block
+        columns = [shard_slices(keys, size, ctx.mesh.size(axis), holder) for holder in range(ctx.mesh.size(axis))]
+        node.target = collectives.ring_attention
+        node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis),
+                     *((mask, columns) if mask is not None else ()))
+        node.kwargs = {}
+        node.meta["collective"] = ("ring_pass", axis)
+
+
+def _attention_mask(node: Node) -> Node | None:
+    """The attn_mask argument of a scaled_dot_product_attention node, if any."""
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, Node) else None
+
+
+def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
+    """A convolution whose input rows a sequence axis splits along a spatial dim becomes
+    ``collectives.halo_convolution``: each rank borrows the kernel's reach of rows from its two neighbours."""
+    for node in gm.graph.nodes:
+        if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
+            continue
+        x, required = node.args[0], node.meta["required"]
+        spatial = {axis: required[axis][x] for axis in SEQUENCE_AXES
+                   if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
+        if not spatial:
+            continue
+        dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]
+        if len(spatial) > 1 or dims.count(next(iter(spatial.values())).dim) > 1:
+            raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
+                                 f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
+        (axis, placement), = spatial.items()
+        stride, padding, dilation, _ = conv_arguments(node)
+        bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
+        node.target = collectives.halo_convolution
+        node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
+                     padding[placement.dim - 2], ctx.mesh.coordinate(axis), ctx.mesh.size(axis),
+                     ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("halo_exchange", axis)
