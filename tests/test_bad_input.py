@@ -280,3 +280,19 @@ def test_call_missing_argument(called):
     """A call missing a required argument is an InputError naming it."""
     kind, message = called["missing"]
     assert kind == InputError.__name__ and "'timestep'" in message
+
+
+def test_a_failure_inside_a_pass_names_the_pass_the_node_and_the_model_line(monkeypatch):
+    """A raw exception raised deep inside a pass (a bug of ours) reaches the user as an InvariantError naming the
+    pass, the node it was working on, the node's op and the model's source line, never as a bare builtin."""
+    from partitioner.errors import InvariantError
+    from partitioner.passes import localize
+
+    def broken(node, mesh):
+        if node.target is torch.ops.aten.linear.default:
+            raise RuntimeError("Attempting to broadcast a dimension of length 32")
+
+    monkeypatch.setattr(localize, "_localize_sizes", broken)
+    with pytest.raises(InvariantError, match=r"pass localize failed at linear\w* \(linear\.default, from "
+                                             r"\w+\.py:\d+ in \w+.*\): RuntimeError: Attempting to broadcast"):
+        partition(tiny_h3(), {"tp": 2}, ((), h3_inputs(TINY_H3)))
