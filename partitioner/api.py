@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from . import backends
-from .agreement import DEFAULT_TIMEOUT, CallGuard, agree_on_plan, bounded_groups, plan_lines
+from .agreement import (DEFAULT_TIMEOUT, CallGuard, agree_on_plan, agree_on_staging, bounded_groups,
+                        check_fingerprint, plan_lines)
 from .checkpoint import load_shards
 from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
                      PartitionError, TraceError, VerificationError)
@@ -51,6 +52,7 @@ class Partitioned:
         self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
         self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
+        self._children: list = []  # weak references to shape specialisations, which load_weights updates too
         traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
@@ -58,13 +60,28 @@ class Partitioned:
         diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
         Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
         Nothing is replaced unless every tensor was found and read. ``compile(backend="xla")``, which drives every
-        device from one process, reads the whole tensors from the same checkpoint when it runs."""
-        expected, computed = self._checkpoint_tensors()
-        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
-        device = torch.device(device) if device is not None else self.mesh.device
-        shards.update({name: self.state[name] for name in computed})
-        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
+        device from one process, reads the whole tensors from the same checkpoint when it runs.
+        On a DeviceMesh every rank must call it: each rank reads and checks its shards into staging, the ranks
+        agree, and every rank commits them or none does (a failure on any rank is a ``CheckpointError`` on every
+        rank naming the rank and the file; the partition keeps its previous weights)."""
+        self.guard.check_usable()
+        staged, failure = None, None
+        try:
+            expected, computed = self._checkpoint_tensors()
+            shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
+            device = torch.device(device) if device is not None else self.mesh.device
+            shards.update({name: self.state[name] for name in computed})
+            staged = {name: tensor.to(device) for name, tensor in shards.items()}
+        except Exception as error:  # every rank learns it, and none commits
+            failure = error if isinstance(error, CheckpointError) else \
+                CheckpointError(f"{path}: loading failed: {type(error).__name__}: {error}")
+        agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
+        self.state = staged
         self.checkpoint = (path, strict)
+        for child in [ref() for ref in self._children]:  # shape specialisations share the weights
+            if child is not None:
+                child.state = {**child.state, **{n: staged[n] for n in expected if n in child.state}}
+                child.checkpoint, child._whole = self.checkpoint, None
         self._whole = None
         return self
 
@@ -111,6 +128,7 @@ class Partitioned:
 
         specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
         specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
+        self._children.append(weakref.ref(specialized))
         return specialized
 
     def rank_tensors(self) -> list[torch.Tensor]:
@@ -138,6 +156,16 @@ class Partitioned:
     @property
     def mesh(self):
         return self.ctx.mesh
+
+    @property
+    def input_fingerprint(self) -> str:
+        """How each call's input values are compared between ranks: "sample", "full" or "off" (set it alike on
+        every rank; its specialisations share it)."""
+        return self.guard.fingerprint
+
+    @input_fingerprint.setter
+    def input_fingerprint(self, mode: str) -> None:
+        self.guard.fingerprint = check_fingerprint(mode)
 
     @property
     def slice_specs(self) -> dict[str, dict]:
@@ -291,7 +319,8 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | Plan | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
-              timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True) -> Partitioned:
+              timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
+              input_fingerprint: str = "sample") -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -314,8 +343,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     On a DeviceMesh every rank must call ``partition`` (it creates the partition's process groups, whose every
     collective is bounded by ``timeout`` seconds) and the ranks compare their plans: a rank that built another plan
-    or failed to build one raises ``RankDisagreement`` on every rank.
+    or failed to build one raises ``RankDisagreement`` on every rank. ``input_fingerprint``: how each call's input
+    values are compared between ranks: "sample" (default: a float64 weighted sum over a fixed sample of 4096 elements
+    of each input tensor), "full" (a hash of every byte) or "off"; ranks called with other values raise
+    ``InputError`` on every rank naming the inputs (``Partitioned.input_fingerprint`` changes it later).
     """
+    check_fingerprint(input_fingerprint)
     spec, groups = mesh_with_groups(mesh, rank, timeout)
     buckets = parse_buckets(buckets)
 
@@ -331,8 +364,10 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
         return partitioned
 
     overlap = Overlap.parse(overlap)
-    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap)
+    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
+                   input_fingerprint=input_fingerprint)
     partitioned = build_agreed(build, spec, groups, options)
+    partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
     partitioned.skeleton = _skeleton(model)
@@ -416,6 +451,8 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
     except Exception as error:  # every rank learns that this one failed, instead of waiting for it
         failure = error
     header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
+    if groups is not None:  # every rank reuses the same groups, or every rank made new ones
+        header.append(f"process groups generation {groups.generation}")
     agree_on_plan(groups, _plan_lines(partitioned, header) if partitioned is not None else None, failure)
     partitioned.guard = CallGuard(groups, spec.device)
     return partitioned

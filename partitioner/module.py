@@ -95,26 +95,48 @@ class PartitionedModule(torch.nn.Module):
         return self._first.device
 
     def _call(self, *args, **kwargs):
+        """Every check a call can fail (binding its arguments, padding to buckets, choosing or checking the program)
+        runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and every rank
+        builds a shape specialisation on the same call."""
         owner = self._partitioned.model_name
-        named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
-        buckets = self._partitioned.ctx.buckets
-        key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
-        key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
-        compiled = self._cache.get(key)
-        if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
-            bucketed = pad_named(named, buckets, owner)
-            if self._first.accepts((), bucketed):
-                compiled = self._first
+        guard = self._partitioned.guard
+        guard.check_usable()
+        compiled = checked = bucketed = key = problem = None
+        agreement, describe = dict(signature=0), None
+        try:
+            named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
+            describe = lambda: describe_call(named)  # noqa: E731
+            buckets = self._partitioned.ctx.buckets
+            key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
+            key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
+            compiled = self._cache.get(key)
+            if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
+                bucketed = pad_named(named, buckets, owner)
+                if self._first.accepts((), bucketed):
+                    compiled = self._first
+            if compiled is not None:
+                checked = compiled.check(args, kwargs)
+                agreement = compiled.agreement(checked)
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
-                leaves = pytree.tree_leaves(((), traced_named))
-                self._partitioned.guard.agree(None, call_signature(leaves, exact=self._first.traced.values),
-                                              lambda: describe_call(bucketed))
-                compiled = self._specialize(bucketed)
-            self._cache[key] = compiled
-            self._evict()
+                agreement = dict(signature=call_signature(pytree.tree_leaves(((), traced_named))),
+                                 values=_tensors(traced_named), exact=set(self._valued), marker="a new specialisation")
+        except InputError as error:
+            problem = error
+        except Exception as error:  # still a rejection, on every rank
+            problem = InputError(f"{owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
+        guard.agree(problem, describe=describe, **agreement)
+        if compiled is None:
+            compiled = self._specialize(bucketed)  # every rank builds it, and compares its plan
+            self._remember(key, compiled)
+            return compiled(*args, **kwargs)
+        self._remember(key, compiled)
+        return compiled.run(checked)
+
+    def _remember(self, key, compiled: CompiledPartition) -> None:
+        self._cache[key] = compiled
+        self._evict()
         self._cache.move_to_end(key)
-        return compiled(*args, **kwargs)
 
     def _specialize(self, named: dict) -> CompiledPartition:
         traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
