@@ -233,3 +233,89 @@ def test_verify_on_one_rank_marks_the_partition_unusable(pool):
     assert after[0] == "PartitionUnusable"
     assert rebuilt0[0] == rebuilt1[0] == "returned", (rebuilt0, rebuilt1)
     assert error0 <= TOLERANCE and error1 <= TOLERANCE
+
+
+# ---- 5. weak cases: package errors that name what is wrong ----
+
+def _alike_call(rank, world, how: str):
+    inputs = dict(_STATE["inputs"])
+    if how == "timestep as list":
+        inputs["timestep"] = inputs["timestep"].tolist()
+    if how == "dtype":
+        inputs["hidden_states"] = inputs["hidden_states"].double()
+    return _attempt(lambda: _STATE["compiled"](**inputs)), _error(), list(_STATE["compiled"].specializations)
+
+
+def test_a_timestep_passed_as_a_list_names_the_argument(pool):
+    for outcome, error, _ in pool.run(_alike_call, "timestep as list"):
+        assert outcome[0] == "InputError", outcome
+        assert "timestep must be a tensor (buckets pad it along dim 0), got list [0." in outcome[1]
+        assert error <= TOLERANCE
+
+
+def test_a_specialisation_for_another_dtype_is_named_by_it(pool):
+    for outcome, error, specializations in pool.run(_alike_call, "dtype"):
+        assert outcome[0] == "returned", outcome
+        assert "hidden_states[1, 12, 16] float64 (traced: float32)" in specializations, specializations
+        assert error <= TOLERANCE
+
+
+def test_a_call_after_destroy_process_group_is_a_package_error(tmp_path):
+    import torch.distributed as dist
+
+    from partitioner import PartitionUnusable
+
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        compiled = partition(model, _mesh(1), ((), inputs), timeout=TIMEOUT).compile()
+        with torch.no_grad():
+            assert (compiled(**inputs).sample - model(**inputs).sample).abs().max() <= TOLERANCE
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(PartitionUnusable, match="destroy_process_group.*partition the model again"):
+        compiled(**inputs)
+
+
+def test_plans_that_cannot_be_read_name_the_file_and_the_field(tmp_path):
+    from partitioner import InputError, Plan
+
+    good = Plan({"tp": 2}, {"proj_in": "colwise"}).to_json()  # (a plan for any model: only read here)
+    (tmp_path / "cut.json").write_text(good[:len(good) // 2])
+    cases = {"": "give a plan file's path", str(tmp_path / "none.json"): "does not exist",
+             str(tmp_path / "cut.json"): "is not valid JSON", str(tmp_path): "cannot be read",
+             good.replace('"colwise"', '["colwise"]'): "field 'linears' must be an object of module path -> style",
+             good.replace('"tp": 2', '"tp": "2"'): "field 'mesh'"}
+    for source, message in cases.items():
+        with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Plan.from_json(source)
+    with pytest.raises(InputError, match="'proj_in'.*unit or block of 0"):
+        Plan({"tp": 2}, {"proj_in": "colwise in units of 0"}).linear_overrides()
+
+
+def test_a_bad_index_json_is_a_checkpoint_error_naming_the_entry(tmp_path):
+    import json
+
+    from partitioner import CheckpointError
+    from partitioner.checkpoint import load_shards
+    from partitioner.mesh import as_mesh_spec
+
+    tiny_h3().save_pretrained(tmp_path / "one")
+    (file,) = (tmp_path / "one").glob("*.safetensors")
+    index = tmp_path / "one" / "diffusion_pytorch_model.safetensors.index.json"
+    tensor = next(iter(tiny_h3().state_dict().items()))
+    expected = {tensor[0]: (tensor[1].shape, tensor[1].dtype)}
+    index.write_text(json.dumps({"weight_map": {tensor[0]: file.name, "no.such": file.name}}))
+    with pytest.raises(CheckpointError, match=f"no.such: the index maps it to {file.name}, which does not hold it"):
+        load_shards(index, {**expected, "no.such": (tensor[1].shape, tensor[1].dtype)}, {}, as_mesh_spec({"tp": 1}), strict=False)
+    index.write_text(json.dumps({"weight_map": [tensor[0]]}))
+    with pytest.raises(CheckpointError, match="'weight_map' must map each tensor name to its file name, got list"):
+        load_shards(index, expected, {}, as_mesh_spec({"tp": 1}))
+
+
+def test_plan_lines_that_differ_late_are_shown_where_they_differ():
+    from partitioner.agreement import _around_difference
+
+    a, b = "x" * 1000 + "colwise" + "y" * 500, "x" * 1000 + "rowwise" + "y" * 500
+    first, other = _around_difference(a, b)
+    assert "colwise" in first and "rowwise" in other and first.startswith("...")
