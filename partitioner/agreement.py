@@ -105,33 +105,36 @@ def bounded_groups(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...], tim
 
 
 def _meet(key: tuple, value: tuple[int, bool], timeout: float) -> list[tuple[int, bool]]:
-    """Every rank's ``value`` for this round of ``bounded_groups`` on the mesh ``key``: exchanged through the default
-    group's store (each rank sets a key and waits for its peers' keys), which holds no stale messages. A rank that
-    does not arrive within ``timeout`` is named in a ``CollectiveTimeout`` and the round is marked abandoned: a rank
-    arriving at it later joins the next round instead, which its peers' next ``partition()`` meets."""
+    """Every rank's ``value`` for this round of ``bounded_groups`` on the mesh ``key``, exchanged through the default
+    group's store (keys, not messages: nothing stale can pair with them). Each rank sets its key and counts itself
+    in; the last to arrive marks the round complete, a rank that waited ``timeout`` in vain marks it abandoned:
+    one atomic compare-and-set decides, so every rank reads the same outcome. On an abandoned round every rank that
+    was in it raises ``CollectiveTimeout`` naming the ranks that did not come; a rank that arrives after it was
+    abandoned joins the next round instead, which its peers' next ``partition()`` meets."""
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = hashlib.sha256(repr(key[:3]).encode()).hexdigest()[:12]
     while True:
         _ROUNDS[key] = round_ = _ROUNDS.get(key, 0) + 1
         prefix = f"partitioner/groups/{mesh}/{round_}/"
-        if store.check([prefix + "abandoned"]):
-            continue  # a peer gave up on this round before this rank came: its next partition() is the next round
-        store.set(prefix + str(rank), f"{value[0]} {int(value[1])}")
+        state = prefix + "state"
+        if store.check([state]) and store.get(state) == b"abandoned":
+            continue  # its peers gave up on this round before this rank came: their next partition() is the next
         keys = [prefix + str(r) for r in range(world)]
+        store.set(keys[rank], f"{value[0]} {int(value[1])}")
+        if store.add(prefix + "arrived", 1) == world:
+            store.compare_set(state, "", "complete")
         try:
-            store.wait(keys, timedelta(seconds=timeout))
+            store.wait([state], timedelta(seconds=timeout))
         except RuntimeError:
+            store.compare_set(state, "", "abandoned")  # (unless the last rank completed it meanwhile)
+        if store.get(state) == b"abandoned":
             missing = [r for r in range(world) if not store.check([keys[r]])]
-            store.set(prefix + "abandoned", str(rank))
             raise CollectiveTimeout(
                 f"rank(s) {missing or 'of the mesh'} did not call partition() within {timeout:g} s of rank {rank} "
                 f"(round {round_} of this mesh's process groups): they failed, hang, or skipped it; call "
-                "partition() again on every rank") from None
-        if store.check([prefix + "abandoned"]):  # every rank arrived, but one gave up just before: all retry
-            continue
-        return [(int(g), bool(int(stale))) for g, stale in
-                (store.get(k).decode().split() for k in keys)]
+                "partition() again on every rank")
+        return [(int(g), bool(int(stale))) for g, stale in (store.get(k).decode().split() for k in keys)]
 
 
 def forget(groups: RankGroups) -> None:
@@ -221,9 +224,25 @@ def _around_difference(a: str, b: str, width: int = 400) -> tuple[str, str]:
     return cut(a), cut(b)
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bytes(tensor: torch.Tensor, sample: bool = False) -> bytes:
+    """A tensor's bytes (with ``sample``, those of up to ``SAMPLE`` elements at a fixed stride), through numpy: a
+    few microseconds for a small tensor."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    try:
+        array = tensor.numpy()
+    except TypeError:  # no numpy dtype (bfloat16, float8): the same bytes as integers
+        array = tensor.view(_SAME_SIZE[tensor.element_size()]).numpy()
+    except RuntimeError:  # a conjugate or negative view
+        array = tensor.resolve_conj().resolve_neg().numpy()
+    array = array.reshape(-1)
+    if sample and array.size > SAMPLE:
+        array = array[::array.size // SAMPLE][:SAMPLE]
+    return array.tobytes()
 
 
 def value_digest(tensor: torch.Tensor) -> str:
@@ -234,39 +253,76 @@ def value_digest(tensor: torch.Tensor) -> str:
 _WEIGHTS: dict[tuple, torch.Tensor] = {}
 
 
-def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A float64 weighted sum of up to ``SAMPLE`` elements at a fixed stride (the same elements on every rank for
-    the same shape), on the tensor's device: a number that differs, with high probability, between tensors of
-    different values (a weighted sum also sees rows swapped)."""
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """Up to ``SAMPLE`` elements of ``tensor`` at a fixed stride: the same elements on every rank for one shape."""
     flat = tensor.detach().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=flat.device)
-    sample = flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE].to(torch.float64)
+    return flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE]
+
+
+def _sample_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A float64 weighted sum of ``_sample(tensor)``, on the tensor's device (an accelerator's: no transfer per
+    tensor), a number that differs, with high probability, between tensors of other values (weighted: it also sees
+    rows swapped)."""
+    sample = _sample(tensor)
+    if sample.is_complex():
+        sample = torch.view_as_real(sample).reshape(-1)
+    sample = sample.to(torch.float64)
     key = (sample.numel(), sample.device)
     weights = _WEIGHTS.get(key)
     if weights is None:  # 1 + frac(i * golden ratio): fixed, distinct, never 0
-        weights = _WEIGHTS[key] = 1 + torch.arange(sample.numel(), dtype=torch.float64, device=sample.device)             .mul(0.6180339887498949).frac()
+        weights = _WEIGHTS[key] = 1 + torch.arange(sample.numel(), dtype=torch.float64, device=sample.device) \
+            .mul(0.6180339887498949).frac()
     return (sample * weights).sum()
 
 
+def _fingerprint_parts(values, mode: str, exact) -> tuple[list[tuple[str, bytes]], list[tuple[str, torch.Tensor]]]:
+    """Each input's fingerprint as bytes where it is made on the host (hashed whole: ``exact`` inputs and mode
+    "full"; CPU tensors under "sample": the sampled elements' bytes), and the accelerator tensors whose sampled sums
+    are still to be brought over."""
+    on_host, on_device = [], []
+    for name, tensor in values:
+        if name in exact or mode == "full":
+            on_host.append((name, _bytes(tensor)))
+        elif mode == "sample" and tensor.device.type in ("cpu", "meta"):
+            on_host.append((name, _bytes(tensor, sample=True) if not tensor.is_meta else b"meta"))
+        elif mode == "sample":
+            on_device.append((name, tensor))
+    return on_host, on_device
+
+
+def _device_sums(on_device: list[tuple[str, torch.Tensor]]) -> list[tuple[str, float]]:
+    """The sampled sums of accelerator tensors, one host transfer per device."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in on_device:
+        by_device.setdefault(tensor.device, []).append((name, tensor))
+    sums = []
+    for group in by_device.values():
+        numbers = torch.stack([_sample_sum(tensor) for _, tensor in group]).tolist()
+        sums += [(name, number) for (name, _), number in zip(group, numbers)]
+    return sums
+
+
+def values_digest(values: list[tuple[str, torch.Tensor]], mode: str, exact=frozenset()) -> str:
+    """One digest of every input's fingerprint (``fingerprints``), cheap enough for every call: one hash."""
+    on_host, on_device = _fingerprint_parts(values, mode, exact)
+    digest = hashlib.sha256(mode.encode())
+    for _, data in on_host:
+        digest.update(struct.pack("<Q", len(data)))
+        digest.update(data)
+    for _, number in _device_sums(on_device):
+        digest.update(struct.pack("<d", number))
+    return digest.hexdigest()
+
+
 def fingerprints(values: list[tuple[str, torch.Tensor]], mode: str, exact=frozenset()) -> list[tuple[str, str]]:
-    """Each named input tensor's fingerprint: ``mode`` "sample" (``_sample_sum``, one host transfer for all of
-    them), "full" (a hash of every byte), "off" (none); inputs named in ``exact`` (a partition is specialised on
-    their values) are always hashed whole."""
-    hashed = [(name, value_digest(t)) for name, t in values if name in exact or mode == "full"]
-    sampled = [(name, t) for name, t in values if name not in exact and mode == "sample"]
-    if sampled:
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (_, t) in enumerate(sampled):
-            by_device.setdefault(t.device, []).append(i)
-        sums = [0.0] * len(sampled)
-        for positions in by_device.values():
-            for i, number in zip(positions, torch.stack([_sample_sum(sampled[i][1]) for i in positions]).tolist()):
-                sums[i] = number
-        hashed += [(name, repr(number)) for (name, _), number in zip(sampled, sums)]
-    return hashed
+    """Each named input tensor's fingerprint, in words: ``mode`` "sample" (up to ``SAMPLE`` elements at a fixed
+    stride: their bytes hashed for a CPU tensor, a float64 weighted sum on an accelerator), "full" (a hash of every
+    byte), "off" (none); inputs named in ``exact`` (a partition is specialised on their values) always hashed
+    whole."""
+    on_host, on_device = _fingerprint_parts(values, mode, exact)
+    found = dict((name, hashlib.sha256(data).hexdigest()[:16]) for name, data in on_host)
+    found.update((name, repr(number)) for name, number in _device_sums(on_device))
+    return [(name, found[name]) for name, _ in values if name in found]
 
 
 def call_signature(values: list, exact=()) -> int:
@@ -316,12 +372,13 @@ class CallGuard:
             if problem is not None:
                 raise problem
             return
-        mine = fingerprints(values or [], self.fingerprint, exact) if problem is None else []
+        values = values or []
+        digest = values_digest(values, self.fingerprint, exact) if problem is None else ""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         status = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
         status[rank, 0] = int(problem is not None)
         status[rank, 1] = _number(f"{signature} {self.fingerprint}") if problem is None else 0
-        status[rank, 2] = _number(repr((marker, mine))) if problem is None else 0
+        status[rank, 2] = _number(f"{marker} {digest}") if problem is None else 0
         try:
             dist.all_reduce(status, group=self.group)
         except RuntimeError as error:
@@ -353,6 +410,7 @@ class CallGuard:
                              + "; every rank must make the same call (the same shapes, the same values)")
         digests = status[:, 2].tolist()
         if len(set(digests)) > 1:
+            mine = fingerprints(values, self.fingerprint, exact) if problem is None else []
             every = _exchange(self.groups, (marker, mine), "the input agreement")
             raise InputError(_values_differ(every))
 
@@ -454,4 +512,4 @@ def _first_line(error: BaseException) -> str:
 
 
 __all__ = ["CallGuard", "DEFAULT_TIMEOUT", "FINGERPRINTS", "RankGroups", "agree_on_plan", "bounded_groups",
-           "call_signature", "check_fingerprint", "fingerprints", "plan_lines"]
+           "call_signature", "check_fingerprint", "fingerprints", "plan_lines", "values_digest"]

@@ -20,6 +20,8 @@ from partitioner.testing import TINY_H3, RankPool, h3_inputs, tiny_h3
 
 TIMEOUT = 5.0  # seconds, every collective of these partitions
 SLACK = 8.0  # seconds past the timeout a case may take to end (a loaded 2-core machine)
+# A rank that skips sleeps TIMEOUT + 3: past its peer's wait in the store, which polls (up to 1 s late); a rank
+# arriving within that wait would simply join the call, as it should.
 TOLERANCE = 1e-5  # float32, sharding reorders sums only (see test_tp_numerics)
 BUCKETS = {"timestep": [2, 4]}
 _STATE: dict = {}  # per rank process: the model, its inputs and reference output, the partition
@@ -185,7 +187,7 @@ def test_load_weights_failing_on_one_rank_loads_on_none(pool, tmp_path):
 
 def _peer_skips_a_call(rank, world):
     if rank == 1:
-        time.sleep(TIMEOUT + 1)
+        time.sleep(TIMEOUT + 3)
         outcome = None
     else:
         outcome = _attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
@@ -204,7 +206,7 @@ def test_a_rank_that_skips_a_call_times_out_and_a_new_partition_is_exact(pool):
 
 
 def _peer_skips_partition(rank, world):
-    skipped = _attempt(lambda: _partition(world)) if rank == 0 else time.sleep(TIMEOUT + 1)
+    skipped = _attempt(lambda: _partition(world)) if rank == 0 else time.sleep(TIMEOUT + 3)
     return skipped, _attempt(lambda: _partition(world)), _error()
 
 
@@ -221,7 +223,7 @@ def _verify_on_one_rank(rank, world):
         outcome = _attempt(lambda: _STATE["partitioned"].verify(**_STATE["inputs"]))
         after = _attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
     else:
-        time.sleep(TIMEOUT + 1)
+        time.sleep(TIMEOUT + 3)
         outcome = after = None
     return outcome, after, _attempt(lambda: _partition(world)), _error()
 
