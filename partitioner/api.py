@@ -516,6 +516,10 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
                              "buckets pad; drop the bucket for it (each size is then traced on its own)")
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
+        unknown = sorted(set(plan.sequence_seeds_by_axis or {}) - set(mesh.axis_names))
+        if unknown:
+            raise PartitionError(f"the plan's sequence_seeds_by_axis names mesh axes {unknown} that the mesh "
+                                 f"{mesh.sizes} does not have; plan again for this mesh")
         overrides = plan.linear_overrides()
         ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
         ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}

@@ -81,7 +81,9 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
             preflight.check(list(args), [])
         except InputError as error:
             problem = error
-        guard.agree(problem, call_signature(list(args)))
+        guard.agree(problem, call_signature(list(args)), values=[
+            (f"input {position}", args[position]) for position, _ in sources
+            if position is not None and isinstance(args[position], torch.Tensor)])
         with guard.running([partitioned.graph_module, lowered]):
             return lowered(*(value if position is None else args[position] for position, value in sources))
 
