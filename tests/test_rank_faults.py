@@ -158,6 +158,28 @@ def test_negative_control_without_fingerprints_divergent_inputs_give_a_silent_wr
     assert max(error for _, _, error in results) <= TOLERANCE
 
 
+def _divergent_mask(rank, world):
+    """A model specialised on its mask's values (it reads them): rank 1 is called with another mask, of the same
+    shape: named as other values of the mask, not as other shapes."""
+    from test_value_specialization import MaskedJointBlock, _inputs
+
+    model = MaskedJointBlock().eval()
+    x, text, mask = _inputs()
+    compiled = partition(model, _mesh(world), ((x, text, mask), {}), timeout=TIMEOUT).compile()
+    other = _inputs(pad=3)[2] if rank == 1 else mask
+    outcome = _attempt(lambda: compiled(x, text, other))
+    with torch.no_grad():
+        error = max((a - b).abs().max().item() for a, b in zip(compiled(x, text, mask), model(x, text, mask)))
+    return outcome, error
+
+
+def test_a_mask_whose_values_differ_between_ranks_is_named(pool):
+    results = pool.run(_divergent_mask)
+    _assert_named([outcome for outcome, _ in results], "InputError", "rank(s) [1] were called with other input "
+                  "values than rank 0", "mask on rank(s) [1]")
+    assert max(error for _, error in results) <= TOLERANCE
+
+
 # ---- 3. load_weights all or nothing ----
 
 def _load(rank, world, paths: list[str], expect_seed: int):
