@@ -177,8 +177,11 @@ class PartitionedModule(torch.nn.Module):
                 if isinstance(leaf, torch.Tensor) != isinstance(old, torch.Tensor):
                     found.append(f"{where}={_value(leaf)} (traced: {_value(old)})")
                 elif isinstance(leaf, torch.Tensor) and (leaf.shape != old.shape or leaf.dtype != old.dtype):
-                    dtype = f" {_dtype(leaf)} (traced: {_dtype(old)})" if leaf.dtype != old.dtype else ""
-                    found.append(f"{where}{list(leaf.shape)}{dtype}")
+                    other_dtype = leaf.dtype != old.dtype
+                    was = (f"{where}{list(old.shape)}" if leaf.shape != old.shape else "") + \
+                        (f" {_dtype(old)}" if other_dtype else "")
+                    found.append(f"{where}{list(leaf.shape)}" + (f" {_dtype(leaf)}" if other_dtype else "")
+                                 + f" (traced: {was.strip()})")
                 elif isinstance(leaf, torch.Tensor) and where in self._valued:
                     found.append(f"other values of {where}")
                 elif not isinstance(leaf, torch.Tensor) and (type(leaf) is not type(old) or leaf != old):

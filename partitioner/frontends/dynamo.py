@@ -23,13 +23,13 @@ import re
 import torch
 from torch.export.graph_signature import InputKind
 
-from ..agreement import DEFAULT_TIMEOUT, call_signature
+from ..agreement import DEFAULT_TIMEOUT, call_signature, check_fingerprint
 from ..errors import InputError
 from ..trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
-_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout", "overlap"}
+_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout", "overlap", "input_fingerprint"}
 
 
 def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
@@ -74,6 +74,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     del example_inputs, tensors, build  # keep no reference to the full parameters (but XLA's, which it runs)
     preflight = Preflight(partitioned.planned_graph, inputs, [f"input {i}" for i in range(len(sources))])
     guard = partitioned.guard
+    guard.fingerprint = check_fingerprint(options.get("input_fingerprint", "sample"))
 
     def run(*args):
         problem = None
