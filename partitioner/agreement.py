@@ -79,6 +79,8 @@ def bounded_groups(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...], tim
                                 "torch.distributed.init_process_group on every rank first") from None
     key = (axis_names, axis_sizes, float(timeout), id(default))
     cached = _GROUPS.get(key)
+    if cached is not None and cached.world not in getattr(dist.distributed_c10d._world, "pg_map", {cached.world: 0}):
+        cached = None  # destroyed with the default group it was made on (whose id a new one may reuse)
     mine = (cached.generation if cached is not None else 0, cached is None or cached.stale)
     every = _meet(key, mine, timeout)
     if cached is not None and all(entry == (cached.generation, False) for entry in every):
