@@ -234,7 +234,7 @@ def _bytes(tensor: torch.Tensor, sample: bool = False) -> bytes:
     few microseconds for a small tensor."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+        tensor = (_sample(tensor) if sample else tensor).cpu()
     try:
         array = tensor.numpy()
     except TypeError:  # no numpy dtype (bfloat16, float8): the same bytes as integers
@@ -314,6 +314,18 @@ def values_digest(values: list[tuple[str, torch.Tensor]], mode: str, exact=froze
     for _, number in _device_sums(on_device):
         digest.update(struct.pack("<d", number))
     return digest.hexdigest()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of a model's parameters and buffers (``SAMPLE`` elements of each at a fixed stride), which every
+    rank's plan check compares: ranks whose models hold other weights (built unseeded, another checkpoint) refuse
+    together instead of running a mixture. Tensors on the meta device count by name, shape and dtype only."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(f"{name} {list(tensor.shape)} {tensor.dtype}".encode())
+        if not tensor.is_meta:
+            digest.update(_bytes(tensor, sample=True))
+    return digest.hexdigest()[:16]
 
 
 def fingerprints(values: list[tuple[str, torch.Tensor]], mode: str, exact=frozenset()) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ import torch
 
 from . import backends
 from .agreement import (DEFAULT_TIMEOUT, CallGuard, agree_on_plan, agree_on_staging, bounded_groups,
-                        check_fingerprint, plan_lines)
+                        check_fingerprint, plan_lines, weights_digest)
 from .checkpoint import load_shards
 from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
                      PartitionError, TraceError, VerificationError)
@@ -366,6 +366,8 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
                    input_fingerprint=input_fingerprint)
+    if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
+        options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
     partitioned = build_agreed(build, spec, groups, options)
     partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)

@@ -181,6 +181,20 @@ def test_a_mask_whose_values_differ_between_ranks_is_named(pool):
     assert max(error for _, error in results) <= TOLERANCE
 
 
+def _other_weights(rank, world):
+    """Rank 1 builds its model unseeded (other random weights): the plan check compares sampled weights."""
+    model = tiny_h3(seed=1) if rank == 1 else _STATE["model"]
+    return _attempt(lambda: partition(model, _mesh(world), ((), _STATE["inputs"]), buckets=BUCKETS,
+                                      timeout=TIMEOUT)), _error()
+
+
+def test_ranks_whose_models_hold_other_weights_refuse_to_partition(pool):
+    results = pool.run(_other_weights)
+    _assert_named([outcome for outcome, _ in results], "RankDisagreement", "rank(s) [1] differ from rank 0",
+                  "model weights (sampled; every rank must build or load the same)", timeout=TIMEOUT)
+    assert max(error for _, error in results) <= TOLERANCE  # the partition made before still runs exactly
+
+
 # ---- 3. load_weights all or nothing ----
 
 def _load(rank, world, paths: list[str], expect_seed: int):
