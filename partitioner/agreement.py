@@ -13,9 +13,10 @@ wrong ones. So:
   rank raises on every rank, and the partition stays usable;
 - a failure after that point (inside the program) marks the partition unusable (``CallGuard.running``): the next
   call says to rebuild it rather than run on a message stream that may be out of step;
-- each call's agreement also carries a fingerprint of every input tensor's values (``fingerprint``: a float64
-  weighted sum over a fixed strided sample, or a hash of every byte): ranks called with other values (latents
-  seeded differently) raise ``InputError`` on every rank naming the inputs and the ranks;
+- each call's agreement also carries a digest of every input tensor's values (``values_digest``: a fixed strided
+  sample of each, hashed on the host or summed in float64 on an accelerator, or every byte hashed): ranks called
+  with other values (latents seeded differently) raise ``InputError`` on every rank naming the inputs and the ranks;
+  the plan check likewise compares a sampled digest of the model's weights (``weights_digest``);
 - process groups are reused by a decision every rank takes alike (``bounded_groups``): the ranks meet in the
   default group's store (keys, not messages: nothing stale can pair with them) and create fresh groups when any
   rank saw its groups time out; the groups' generation is part of the plan the ranks compare.
