@@ -20,6 +20,7 @@ from .passes.context import Overlap
 from .passes.plan_sequence import warn_whole_attentions
 from .plans import Plan
 from .runtime.agreement import DEFAULT_TIMEOUT, bounded_groups
+from .runtime.fingerprints import check_fingerprint, weights_digest
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -42,7 +43,8 @@ def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
 def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, str] | Plan | None = None,
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
-              timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True) -> Partitioned:
+              timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
+              input_fingerprint: str = "sample") -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -65,8 +67,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     On a DeviceMesh every rank must call ``partition`` (it creates the partition's process groups, whose every
     collective is bounded by ``timeout`` seconds) and the ranks compare their plans: a rank that built another plan
-    or failed to build one raises ``RankDisagreement`` on every rank.
+    or failed to build one raises ``RankDisagreement`` on every rank. ``input_fingerprint``: how each call's input
+    values are compared between ranks: "sample" (default: a float64 weighted sum over a fixed sample of 4096 elements
+    of each input tensor), "full" (a hash of every byte) or "off"; ranks called with other values raise
+    ``InputError`` on every rank naming the inputs (``Partitioned.input_fingerprint`` changes it later).
     """
+    check_fingerprint(input_fingerprint)
     spec, groups = mesh_with_groups(mesh, rank, timeout)
     buckets = parse_buckets(buckets)
 
@@ -82,8 +88,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
         return partitioned
 
     overlap = Overlap.parse(overlap)
-    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap)
+    options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
+                   input_fingerprint=input_fingerprint)
+    if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
+        options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
     partitioned = build_agreed(build, spec, groups, options)
+    partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
     partitioned.skeleton = _skeleton(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from .planning.dump import Dumper
 from .planning.plan_view import write_html
 from .planning.report import Report, build_report, collective_stats
 from .plans import Plan
-from .runtime.agreement import CallGuard, agree_on_plan, plan_lines
+from .runtime.agreement import CallGuard, agree_on_plan, agree_on_staging, plan_lines
 from .runtime.checkpoint import load_shards
+from .runtime.fingerprints import check_fingerprint
 from .runtime.program import input_names, place_graph_on
 from .runtime.weights import shard_state
 
@@ -49,6 +51,7 @@ class Partitioned:
         self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
         self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
+        self._children: list = []  # weak references to shape specialisations, which load_weights updates too
         traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
@@ -56,13 +59,28 @@ class Partitioned:
         diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
         Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
         Nothing is replaced unless every tensor was found and read. ``compile(backend="xla")``, which drives every
-        device from one process, reads the whole tensors from the same checkpoint when it runs."""
-        expected, computed = self._checkpoint_tensors()
-        shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
-        device = torch.device(device) if device is not None else self.mesh.device
-        shards.update({name: self.state[name] for name in computed})
-        self.state = {name: tensor.to(device) for name, tensor in shards.items()}
+        device from one process, reads the whole tensors from the same checkpoint when it runs.
+        On a DeviceMesh every rank must call it: each rank reads and checks its shards into staging, the ranks
+        agree, and every rank commits them or none does (a failure on any rank is a ``CheckpointError`` on every
+        rank naming the rank and the file; the partition keeps its previous weights)."""
+        self.guard.check_usable()
+        staged, failure = None, None
+        try:
+            expected, computed = self._checkpoint_tensors()
+            shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
+            device = torch.device(device) if device is not None else self.mesh.device
+            shards.update({name: self.state[name] for name in computed})
+            staged = {name: tensor.to(device) for name, tensor in shards.items()}
+        except Exception as error:  # every rank learns it, and none commits
+            failure = error if isinstance(error, CheckpointError) else \
+                CheckpointError(f"{path}: loading failed: {type(error).__name__}: {error}")
+        agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
+        self.state = staged
         self.checkpoint = (path, strict)
+        for child in [ref() for ref in self._children]:  # shape specialisations share the weights
+            if child is not None:
+                child.state = {**child.state, **{n: staged[n] for n in expected if n in child.state}}
+                child.checkpoint, child._whole = self.checkpoint, None
         self._whole = None
         return self
 
@@ -109,6 +127,7 @@ class Partitioned:
 
         specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
         specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
+        self._children.append(weakref.ref(specialized))
         return specialized
 
     def rank_tensors(self) -> list[torch.Tensor]:
@@ -136,6 +155,16 @@ class Partitioned:
     @property
     def mesh(self):
         return self.ctx.mesh
+
+    @property
+    def input_fingerprint(self) -> str:
+        """How each call's input values are compared between ranks: "sample", "full" or "off" (set it alike on
+        every rank; its specialisations share it)."""
+        return self.guard.fingerprint
+
+    @input_fingerprint.setter
+    def input_fingerprint(self, mode: str) -> None:
+        self.guard.fingerprint = check_fingerprint(mode)
 
     @property
     def slice_specs(self) -> dict[str, dict]:
@@ -295,6 +324,8 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
     except Exception as error:  # every rank learns that this one failed, instead of waiting for it
         failure = error
     header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
+    if groups is not None:  # every rank reuses the same groups, or every rank made new ones
+        header.append(f"process groups generation {groups.generation}")
     agree_on_plan(groups, _plan_lines(partitioned, header) if partitioned is not None else None, failure)
     partitioned.guard = CallGuard(groups, spec.device)
     return partitioned
@@ -358,6 +389,10 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
                              "buckets pad; drop the bucket for it (each size is then traced on its own)")
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
+        unknown = sorted(set(plan.sequence_seeds_by_axis or {}) - set(mesh.axis_names))
+        if unknown:
+            raise PartitionError(f"the plan's sequence_seeds_by_axis names mesh axes {unknown} that the mesh "
+                                 f"{mesh.sizes} does not have; plan again for this mesh")
         overrides = plan.linear_overrides()
         ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
         ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}

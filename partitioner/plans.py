@@ -57,17 +57,45 @@ class Plan:
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":
-        """A plan from JSON text or a file holding it."""
-        text = Path(source).read_text() if isinstance(source, Path) or not str(source).lstrip().startswith("{") \
-            else str(source)
-        data = json.loads(text)
+        """A plan from JSON text or a file holding it. ``InputError`` naming the file (or text) and the field for a
+        missing, unreadable, truncated or malformed plan."""
+        if isinstance(source, (str, Path)) and not isinstance(source, Path) and str(source).lstrip().startswith("{"):
+            text, where = str(source), "plan JSON text"
+        elif isinstance(source, (str, Path)):
+            if str(source).strip() in ("", "."):
+                raise InputError(f"Plan.from_json({source!r}): give a plan file's path or its JSON text")
+            where = f"plan file {str(source)!r}"
+            try:
+                text = Path(source).read_text()
+            except FileNotFoundError:
+                raise InputError(f"{where} does not exist; write one with plan.to_json(path)") from None
+            except (OSError, UnicodeDecodeError) as error:
+                raise InputError(f"{where} cannot be read: {type(error).__name__}: {error}") from None
+        else:
+            raise InputError(f"Plan.from_json takes a path or JSON text, got {type(source).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{where} is not valid JSON ({error}); it may be truncated: write it again with "
+                             "plan.to_json(path)") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{where} holds a JSON {type(data).__name__}, not a plan object")
         if data.get("version") != VERSION:
-            raise InputError(f"plan version {data.get('version')!r}: this partitioner reads version {VERSION}")
+            raise InputError(f"{where}: plan version {data.get('version')!r}: this partitioner reads version {VERSION}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InputError(f"plan has unknown fields {sorted(unknown)}")
+            raise InputError(f"{where}: plan has unknown fields {sorted(unknown)}")
+        for name, kind, values in _FIELDS:
+            if name not in data:
+                if name == "mesh":
+                    raise InputError(f"{where}: plan has no field 'mesh'")
+                continue
+            value = data[name]
+            if value is None and name == "sequence_seeds_by_axis":
+                continue
+            if not isinstance(value, kind) or (values is not None and not _entries_are(value, values)):
+                raise InputError(f"{where}: field {name!r} must be {_KINDS[name]}, got {_short(value)}")
         return cls(**data)
-
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
@@ -81,9 +109,33 @@ class Plan:
                 raise InputError(f"plan entry {path!r}: style {style!r} is not one of colwise, colwise packed [a, b], "
                                  "colwise [packed [a, b]] in units of n, rowwise, replicate")
             blocks = tuple(int(b) for b in match[2].split(", ")) if match[2] else None
-            overrides[path] = (match[1], blocks, int(match[3] or 1))
+            unit = int(match[3] or 1)
+            if unit < 1 or (blocks is not None and 0 in blocks):
+                raise InputError(f"plan entry {path!r}: style {style!r} has a unit or block of 0; units and packed "
+                                 "blocks are positive numbers of columns")
+            overrides[path] = (match[1], blocks, unit)
         return overrides
 
     def check_mesh(self, sizes: dict[str, int]) -> None:
         if dict(sizes) != dict(self.mesh):
             raise MeshError(f"the plan was made for the mesh {self.mesh}, not {dict(sizes)}: plan again for this mesh")
+
+
+_FIELDS = [("mesh", dict, int), ("linears", dict, str), ("sequence_seeds", dict, int), ("attention", dict, str),
+           ("bounds", dict, int), ("sequence_seeds_by_axis", dict, dict), ("tp_sequence", str, None),
+           ("reduce_scattered", dict, str), ("batch_split", dict, str)]
+_KINDS = {"mesh": "an object of axis sizes such as {\"tp\": 2}", "linears": "an object of module path -> style",
+          "sequence_seeds": "an object of value -> dim", "attention": "an object of module path -> text",
+          "bounds": "an object of op -> integer bound", "sequence_seeds_by_axis": "null or an object of axis -> seeds",
+          "tp_sequence": "a string", "reduce_scattered": "an object of module path -> text",
+          "batch_split": "an object of input -> text"}
+
+
+def _entries_are(value: dict, kind) -> bool:
+    return all(isinstance(key, str) and isinstance(entry, kind) and not isinstance(entry, bool)
+               for key, entry in value.items())
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -85,3 +85,25 @@ def test_a_bad_style_in_a_plan_names_the_entry(h3):
     plan.linears["proj_in"] = "diagonal"
     with pytest.raises(partitioner.InputError, match=r"'proj_in': style 'diagonal'"):
         partitioner.partition(model, {"tp": 2}, ((), inputs), plan=plan)
+
+
+def test_sequence_seeds_that_cannot_apply_name_the_entry(h3):
+    model, inputs = h3
+    plan = partitioner.plan(model, MESH, ((), inputs))
+    seed = next(iter(plan.sequence_seeds))
+    plan.sequence_seeds[seed] = 9
+    with pytest.raises(PartitionError, match=rf"sequence seed '{seed}': dim 9, which the value \(shape \["):
+        partitioner.partition(model, MESH, ((), inputs), plan=plan)
+    plan = partitioner.plan(model, MESH, ((), inputs))
+    plan.sequence_seeds_by_axis = {"ring": dict(plan.sequence_seeds)}
+    with pytest.raises(PartitionError, match=r"names mesh axes \['ring'\] that the mesh"):
+        partitioner.partition(model, MESH, ((), inputs), plan=plan)
+
+
+def test_a_plan_entry_whose_units_cannot_apply_is_refused_naming_it(h3):
+    model, inputs = h3
+    plan = partitioner.plan(model, {"tp": 2}, ((), inputs))
+    path = next(p for p, style in plan.linears.items() if style == "colwise")
+    plan.linears[path] = "colwise in units of 7"
+    with pytest.raises(PartitionError, match=rf"plan entry '{path}': colwise in the plan's units or blocks cannot be"):
+        partitioner.partition(model, {"tp": 2}, ((), inputs), plan=plan)

@@ -24,12 +24,13 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..errors import InputError
-from ..runtime.agreement import DEFAULT_TIMEOUT, call_signature
+from ..runtime.agreement import DEFAULT_TIMEOUT
+from ..runtime.fingerprints import call_signature, check_fingerprint
 from .trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 
 _KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
-_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout", "overlap"}
+_OPTIONS = {"mesh", "backend", "plan", "dump_dir", "compile_options", "timeout", "overlap", "input_fingerprint"}
 
 
 def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
@@ -74,6 +75,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     del example_inputs, tensors, build  # keep no reference to the full parameters (but XLA's, which it runs)
     preflight = Preflight(partitioned.planned_graph, inputs, [f"input {i}" for i in range(len(sources))])
     guard = partitioned.guard
+    guard.fingerprint = check_fingerprint(options.get("input_fingerprint", "sample"))
 
     def run(*args):
         problem = None
@@ -81,7 +83,9 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
             preflight.check(list(args), [])
         except InputError as error:
             problem = error
-        guard.agree(problem, call_signature(list(args)))
+        guard.agree(problem, call_signature(list(args)), values=[
+            (f"input {position}", args[position]) for position, _ in sources
+            if position is not None and isinstance(args[position], torch.Tensor)])
         with guard.running([partitioned.graph_module, lowered]):
             return lowered(*(value if position is None else args[position] for position, value in sources))
 

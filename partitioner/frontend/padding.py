@@ -122,6 +122,10 @@ def pad_named(named: dict, buckets: Buckets, owner: str, *, shapes_only: bool = 
     names = [argument_name(path) for path, _ in leaves]
     values = [leaf for _, leaf in leaves]
     for (name, dim), sizes in buckets.items():
+        if name not in names and name in named:
+            given = repr(named[name])
+            raise InputError(f"{owner}: {name} must be a tensor (buckets pad it along dim {dim}), got "
+                             f"{type(named[name]).__name__} {given if len(given) <= 60 else given[:57] + '...'}")
         if name not in names:
             raise InputError(f"{owner}: buckets name {name!r}, which is not a forward argument; the tensor "
                              f"arguments are {[n for n, v in zip(names, values) if isinstance(v, torch.Tensor)]}")

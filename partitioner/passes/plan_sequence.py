@@ -243,6 +243,13 @@ def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
     if missing:
         raise PartitionError(f"the plan shards values this model's graph does not have: {missing[:5]}; plan again "
                              "for this model and these example input shapes")
+    for name, dim in given.items():
+        value = nodes[name].meta.get("val")
+        rank = value.dim() if isinstance(value, torch.Tensor) else None
+        if rank is None or not (isinstance(dim, int) and -rank <= dim < rank):
+            shape = list(value.shape) if rank is not None else f"not a tensor ({type(value).__name__})"
+            raise PartitionError(f"the plan's sequence seed {name!r}: dim {dim!r}, which the value (shape {shape}) "
+                                 "does not have; plan again for this model and these example input shapes")
     return {nodes[name]: dim for name, dim in given.items()}
 
 

@@ -232,6 +232,12 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ctx.linear_styles[paths[linear]] = style
         if linear in reasons:
             ctx.replicated_because[paths[linear]] = reasons[linear]
+        path = paths[linear]
+        if (degree > 1 and linear in forced and (path in ctx.unit_overrides or path in ctx.packed_overrides)
+                and not style.startswith(forced[linear])):
+            raise PartitionError(f"plan entry {path!r}: {forced[linear]} in the plan's units or blocks cannot be "
+                                 f"applied (it would be {style}: {reasons.get(linear, 'the sharding does not divide')})"
+                                 "; plan again for this model and mesh")
     return gm
 
 

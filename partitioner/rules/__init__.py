@@ -19,8 +19,8 @@ A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decor
 """
 
 from ..errors import PartitionError
-from . import (attention, collectives, conv, indexing, joins, linear,  # noqa: F401  (they register their rules)
-               matmul, reductions, views)
+from . import (attention, collectives, conv, indexing, joins, linear, matmul,  # noqa: F401  (they register their rules)
+               reductions, views)
 from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all,
                    rule_for, shape_of)
 from .pointwise import pointwise

@@ -12,7 +12,14 @@ wrong ones. So:
   which ranks rejected the call and whether all ranks were called alike (``CallGuard.agree``): a rejection on any
   rank raises on every rank, and the partition stays usable;
 - a failure after that point (inside the program) marks the partition unusable (``CallGuard.running``): the next
-  call says to rebuild it rather than run on a message stream that may be out of step.
+  call says to rebuild it rather than run on a message stream that may be out of step;
+- each call's agreement also carries a digest of every input tensor's values (``values_digest``: a fixed strided
+  sample of each, hashed on the host or summed in float64 on an accelerator, or every byte hashed): ranks called
+  with other values (latents seeded differently) raise ``InputError`` on every rank naming the inputs and the ranks;
+  the plan check likewise compares a sampled digest of the model's weights (``weights_digest``);
+- process groups are reused by a decision every rank takes alike (``bounded_groups``): the ranks meet in the
+  default group's store (keys, not messages: nothing stale can pair with them) and create fresh groups when any
+  rank saw its groups time out; the groups' generation is part of the plan the ranks compare.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
+from ..errors import CheckpointError, CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
 from .collectives import WAITS
+from .fingerprints import _number, check_fingerprint, fingerprints, values_digest
 
 DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
 _GROUPS: dict[tuple, "RankGroups"] = {}  # groups are costly to create: reused across partitions of one mesh
+_ROUNDS: dict[tuple, int] = {}  # how many times this rank met its peers to decide on a mesh's groups
 
 
 @dataclass
@@ -41,6 +50,8 @@ class RankGroups:
     world: dist.ProcessGroup
     axes: dict[str, str]
     timeout: float
+    generation: int = 1  # how many times the ranks created groups for this mesh; compared in the plan check
+    stale: bool = False  # a collective on them failed or timed out on this rank: they may hold stale messages
 
 
 def _is_real_backend() -> bool:
@@ -50,35 +61,87 @@ def _is_real_backend() -> bool:
 
 def bounded_groups(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...], timeout: float,
                    runnable: bool = True) -> RankGroups | None:
-    """New process groups for a mesh of ``axis_sizes`` over ranks 0..world-1 (row-major), every collective on them
+    """Process groups for a mesh of ``axis_sizes`` over ranks 0..world-1 (row-major), every collective on them
     bounded by ``timeout`` seconds. Every rank must call this in the same order (``dist.new_group`` is collective).
-    None for a mesh that is not run (axis sizes) and on the fake process group."""
+    The groups of an earlier partition of the mesh are reused unless any rank saw them fail (``stale``): the ranks
+    first meet in the default group's store (``_meet``) and take the same decision, so that no rank creates new
+    groups while another reuses the old ones. None for a mesh that is not run (axis sizes) and on the fake process
+    group."""
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
         raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not runnable or not _is_real_backend():
         return None
-    key = (axis_names, axis_sizes, float(timeout), id(dist.distributed_c10d._get_default_group()))
-    if key in _GROUPS:
-        return _GROUPS[key]
+    try:
+        default = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError) as error:
+        raise CollectiveTimeout(f"no default process group to partition on ({_first_line(error)}): call "
+                                "torch.distributed.init_process_group on every rank first") from None
+    key = (axis_names, axis_sizes, float(timeout), id(default))
+    cached = _GROUPS.get(key)
+    if cached is not None and cached.world not in getattr(dist.distributed_c10d._world, "pg_map", {cached.world: 0}):
+        cached = None  # destroyed with the default group it was made on (whose id a new one may reuse)
+    mine = (cached.generation if cached is not None else 0, cached is None or cached.stale)
+    every = _meet(key, mine, timeout)
+    if cached is not None and all(entry == (cached.generation, False) for entry in every):
+        return cached  # every rank holds the same healthy groups
+    generation = max(g for g, _ in every) + 1  # the same number on every rank
     bound = timedelta(seconds=timeout)
     rank, world = dist.get_rank(), math.prod(axis_sizes)
     ranks = torch.arange(world).reshape(axis_sizes)
     axes = {}
-    for dim, name in enumerate(axis_names):
-        for members in ranks.movedim(dim, -1).reshape(-1, axis_sizes[dim]).tolist():
-            group = dist.new_group(members, timeout=bound)  # collective: every rank creates every group
-            if rank in members:
-                axes[name] = group.group_name
-    groups = RankGroups(dist.new_group(list(range(world)), timeout=bound), axes, float(timeout))
+    try:
+        for dim, name in enumerate(axis_names):
+            for members in ranks.movedim(dim, -1).reshape(-1, axis_sizes[dim]).tolist():
+                group = dist.new_group(members, timeout=bound)  # collective: every rank creates every group
+                if rank in members:
+                    axes[name] = group.group_name
+        world_group = dist.new_group(list(range(world)), timeout=bound)
+    except RuntimeError as error:
+        raise CollectiveTimeout(f"creating the partition's process groups did not complete within {timeout:g} s on "
+                                f"rank {rank}: a peer rank failed, hangs, or did not call partition() "
+                                f"({_first_line(error)}); call partition() again on every rank") from error
+    groups = RankGroups(world_group, axes, float(timeout), generation)
     _GROUPS[key] = groups
     return groups
 
 
+def _meet(key: tuple, value: tuple[int, bool], timeout: float) -> list[tuple[int, bool]]:
+    """Every rank's ``value`` for this round of ``bounded_groups`` on the mesh ``key``, exchanged through the default
+    group's store (keys, not messages: nothing stale can pair with them). Each rank sets its key and counts itself
+    in; the last to arrive marks the round complete, a rank that waited ``timeout`` in vain marks it abandoned:
+    one atomic compare-and-set decides, so every rank reads the same outcome. On an abandoned round every rank that
+    was in it raises ``CollectiveTimeout`` naming the ranks that did not come; a rank that arrives after it was
+    abandoned joins the next round instead, which its peers' next ``partition()`` meets."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = hashlib.sha256(repr(key[:3]).encode()).hexdigest()[:12]
+    while True:
+        _ROUNDS[key] = round_ = _ROUNDS.get(key, 0) + 1
+        prefix = f"partitioner/groups/{mesh}/{round_}/"
+        state = prefix + "state"
+        if store.check([state]) and store.get(state) == b"abandoned":
+            continue  # its peers gave up on this round before this rank came: their next partition() is the next
+        keys = [prefix + str(r) for r in range(world)]
+        store.set(keys[rank], f"{value[0]} {int(value[1])}")
+        if store.add(prefix + "arrived", 1) == world:
+            store.compare_set(state, "", "complete")
+        try:
+            store.wait([state], timedelta(seconds=timeout))
+        except RuntimeError:
+            store.compare_set(state, "", "abandoned")  # (unless the last rank completed it meanwhile)
+        if store.get(state) == b"abandoned":
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise CollectiveTimeout(
+                f"rank(s) {missing or 'of the mesh'} did not call partition() within {timeout:g} s of rank {rank} "
+                f"(round {round_} of this mesh's process groups): they failed, hang, or skipped it; call "
+                "partition() again on every rank")
+        return [(int(g), bool(int(stale))) for g, stale in (store.get(k).decode().split() for k in keys)]
+
+
 def forget(groups: RankGroups) -> None:
-    """A timed-out group may hold stale messages: the next partition of the mesh creates fresh ones."""
-    for key, cached in list(_GROUPS.items()):
-        if cached is groups:
-            del _GROUPS[key]
+    """A timed-out group may hold stale messages: the next partition of the mesh creates fresh ones, on every rank
+    (``bounded_groups`` tells the peers)."""
+    groups.stale = True
 
 
 def _exchange(groups: RankGroups, value, what: str) -> list:
@@ -90,6 +153,28 @@ def _exchange(groups: RankGroups, value, what: str) -> list:
         raise CollectiveTimeout(f"ranks did not all reach {what} within {groups.timeout:g} s: a rank failed before "
                                 f"it, hangs, or was not started ({_first_line(error)})") from error
     return gathered
+
+
+def agree_on_staging(guard: "CallGuard", failure: BaseException | None, what: str) -> None:
+    """All or nothing across ranks: each rank staged its part of ``what`` (or failed to); one exchange, then every
+    rank commits, or every rank raises a ``CheckpointError`` naming each failed rank and its reason."""
+    groups = guard.groups
+    if groups is None:
+        if failure is not None:
+            raise failure
+        return
+    mine = None if failure is None else f"{type(failure).__name__}: {_first_line(failure)}"
+    try:
+        every = _exchange(groups, mine, what)
+    except CollectiveTimeout as error:
+        guard.broken = f"{what} timed out"
+        raise CollectiveTimeout(f"{error}; no rank committed the new weights, and the partition must be made again "
+                                "on every rank") from error
+    failed = {rank: message for rank, message in enumerate(every) if message is not None}
+    if failed:
+        summary = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}, so no rank loaded it (every rank keeps "
+                              f"its previous weights): {summary}") from failure
 
 
 def plan_lines(planned: torch.fx.GraphModule, header: list[str]) -> list[str]:
@@ -124,33 +209,32 @@ def agree_on_plan(groups: RankGroups | None, lines: list[str] | None, failure: B
     index = next((i for i, (a, b) in enumerate(zip(plans[0], plans[rank])) if a != b),
                  min(len(plans[0]), len(plans[rank])))
     show = lambda plan: plan[index] if index < len(plan) else "<end of plan>"  # noqa: E731
+    first, other = _around_difference(show(plans[0]), show(plans[rank]))
     raise RankDisagreement(
         f"ranks built different plans: rank(s) {differing} differ from rank 0, first at decision {index}:\n"
-        f"  rank 0:    {show(plans[0])[:400]}\n  rank {rank}: {show(plans[rank])[:400]}\n"
+        f"  rank 0:    {first}\n  rank {rank}: {other}\n"
         "every rank must call partition with the same model, example input shapes and options")
 
 
-def value_digest(tensor: torch.Tensor) -> str:
-    """A tensor's values in a short string (for inputs a partition is specialised on: masks, lengths)."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
-def call_signature(values: list, exact=()) -> int:
-    """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, and the
-    same values at the indices in ``exact``."""
-    described = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in values]
-    described += [value_digest(values[i]) for i in sorted(exact)]
-    return int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "little")
+def _around_difference(a: str, b: str, width: int = 400) -> tuple[str, str]:
+    """Two lines cut to ``width`` characters around the first character where they differ (never before it)."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, at - width // 4) if at >= width * 3 // 4 else 0
+    cut = lambda line: ("..." if start else "") + line[start:start + width] + \
+        ("..." if len(line) > start + width else "")  # noqa: E731
+    return cut(a), cut(b)
 
 
 class CallGuard:
-    """Wraps every call of a lowered program: ``agree`` before the first collective, ``running`` around it."""
+    """Wraps every call of a lowered program: ``agree`` before the first collective, ``running`` around it.
+    ``fingerprint``: how each call's input values are compared between ranks ("sample", "full" or "off")."""
 
-    def __init__(self, groups: RankGroups | None, device: torch.device):
+    def __init__(self, groups: RankGroups | None, device: torch.device, fingerprint: str = "sample"):
         self.groups = groups
         self.device = device if groups is not None and dist.get_backend(groups.world) != "gloo" else \
             torch.device("cpu")
         self.broken: str | None = None
+        self.fingerprint = check_fingerprint(fingerprint)
 
     @property
     def group(self):
@@ -160,19 +244,29 @@ class CallGuard:
         if self.broken is not None:
             raise PartitionUnusable(f"an earlier call failed after its first collective ({self.broken}); the ranks' "
                                     "message streams may be out of step: partition the model again on every rank")
+        if self.groups is not None and not dist.is_initialized():
+            raise PartitionUnusable("the default process group was destroyed (destroy_process_group) after this "
+                                    "partition was made: its process groups are gone; init_process_group and "
+                                    "partition the model again on every rank")
 
-    def agree(self, problem: InputError | None, signature: int, describe=None) -> None:
-        """One all_reduce: which ranks rejected this call, and whether every rank's call looks alike (``signature``;
-        ``describe()``: the call's shapes in words, exchanged only when the signatures differ)."""
+    def agree(self, problem: InputError | None, signature: int, describe=None,
+              values: list[tuple[str, torch.Tensor]] | None = None, exact=frozenset(), marker: str = "") -> None:
+        """One all_reduce: which ranks rejected this call, whether every rank's call looks alike (``signature``;
+        ``describe()``: the call's shapes in words, exchanged only when the signatures differ), and whether every
+        rank's input values are alike (``values``: (name, tensor) fingerprinted as ``self.fingerprint`` says, those
+        named in ``exact`` hashed whole; ``marker``: which program the call chose, compared with them)."""
         self.check_usable()
         if self.groups is None:
             if problem is not None:
                 raise problem
             return
+        values = values or []
+        digest = values_digest(values, self.fingerprint, exact) if problem is None else ""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        status = torch.zeros(world, 2, dtype=torch.int64, device=self.device)
+        status = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
         status[rank, 0] = int(problem is not None)
-        status[rank, 1] = signature
+        status[rank, 1] = _number(f"{signature} {self.fingerprint}") if problem is None else 0
+        status[rank, 2] = _number(f"{marker} {digest}") if problem is None else 0
         try:
             dist.all_reduce(status, group=self.group)
         except RuntimeError as error:
@@ -191,11 +285,23 @@ class CallGuard:
         signatures = status[:, 1].tolist()
         if len(set(signatures)) > 1:
             odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
-            calls = _exchange(self.groups, describe() if describe is not None else "", "the input agreement")
-            differ = "; ".join(f"rank {r}: {calls[r]}" for r in [0, *odd] if calls[r])
+            calls = _exchange(self.groups, (describe() if describe is not None else "", self.fingerprint),
+                              "the input agreement")
+            modes = {r: mode for r, (_, mode) in enumerate(calls)}
+            if len(set(modes.values())) > 1:
+                raise InputError("ranks compare input values differently (input_fingerprint: "
+                                 + ", ".join(f"rank {r}: {m!r}" for r, m in modes.items())
+                                 + "); set the same input_fingerprint on every rank")
+            differ = "; ".join(f"rank {r}: {calls[r][0]}" for r in [0, *odd] if calls[r][0])
             raise InputError(f"rank(s) {odd} were called with other input shapes, dtypes or options than rank 0"
                              + (f" ({differ})" if differ else "")
-                             + "; every rank must make the same call (its own data, the same shapes)")
+                             + "; every rank must make the same call (the same shapes, the same values)")
+        digests = status[:, 2].tolist()
+        if len(set(digests)) > 1:
+            mine = fingerprints(values, self.fingerprint, exact) if problem is None else []
+            every = _exchange(self.groups, (marker, mine), "the input agreement")
+            raise InputError(_values_differ(every))
+
 
     @contextlib.contextmanager
     def running(self, programs: list[torch.fx.GraphModule]):
@@ -215,6 +321,29 @@ class CallGuard:
                                         f"failed or hangs ({_first_line(error)}); partition the model again on every "
                                         "rank") from error
             raise
+
+
+def _values_differ(every: list[tuple[str, list[tuple[str, str]]]]) -> str:
+    """The message for ranks whose calls have the same shapes but other values: which inputs differ, on which ranks,
+    with their fingerprints."""
+    reference = dict(every[0][1])
+    differing: dict[str, list[int]] = {}
+    for rank, (_, prints) in enumerate(every):
+        for name, value in prints:
+            if reference.get(name) != value:
+                differing.setdefault(name, []).append(rank)
+    if not differing:
+        markers = "; ".join(f"rank {r}: {m or 'the traced program'}" for r, (m, _) in enumerate(every))
+        return (f"the ranks chose different programs for this call ({markers}); every rank must make the same "
+                "calls in the same order")
+    lines = []
+    for name, ranks in differing.items():
+        shown = ", ".join(f"rank {r}: {dict(every[r][1]).get(name)}" for r in [0, *ranks])
+        lines.append(f"{name} on rank(s) {ranks} ({shown})")
+    odd = sorted({r for ranks in differing.values() for r in ranks})
+    return (f"rank(s) {odd} were called with other input values than rank 0, so no rank runs this call: "
+            + "; ".join(lines) + ". Every rank must be called with the same inputs (seed every rank's random "
+            "latents alike); input_fingerprint='off' turns this check off")
 
 
 def failing_node(error: BaseException, programs: list[torch.fx.GraphModule]) -> torch.fx.Node | None:
@@ -263,5 +392,5 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "RankGroups", "agree_on_plan", "bounded_groups",
-           "call_signature", "plan_lines"]
+__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "RankGroups", "agree_on_plan", "agree_on_staging", "bounded_groups",
+           "plan_lines"]

@@ -45,8 +45,13 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map'): {error}") from None
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map'): "
+                                  f"{type(error).__name__}: {error}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to its file name, got "
+                                  f"{type(weight_map).__name__} {str(weight_map)[:80]}")
         return {name: path.parent / file for name, file in weight_map.items()}
     with _open(path) as handle:
         return {name: path for name in handle.keys()}
@@ -99,7 +104,11 @@ def load_shards(path, expected: dict[str, tuple[torch.Size, torch.dtype]], specs
     if unexpected and strict:
         problems.append(f"unexpected {len(unexpected)}: {unexpected[:10]}")
     handles = {file: _open(file) for file in sorted(set(files[n] for n in expected if n in files))}
+    held = {file: set(handle.keys()) for file, handle in handles.items()}
     for name in sorted(set(expected) & set(files)):
+        if name not in held[files[name]]:
+            problems.append(f"{name}: the index maps it to {files[name].name}, which does not hold it")
+            continue
         view = handles[files[name]].get_slice(name)
         shape, dtype = expected[name]
         if tuple(view.get_shape()) != tuple(shape):

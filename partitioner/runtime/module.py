@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError, TraceError
 from ..frontend.padding import pad_named
 from ..frontend.trace import argument_name, bind_forward
-from .agreement import call_signature, value_digest
+from .fingerprints import call_signature, value_digest
 from .program import CompiledPartition, call_arguments, describe_call, input_names
 
 
@@ -95,39 +95,57 @@ class PartitionedModule(torch.nn.Module):
         return self._first.device
 
     def _call(self, *args, **kwargs):
+        """Every check a call can fail (binding its arguments, padding to buckets, choosing or checking the program)
+        runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and every rank
+        builds a shape specialisation on the same call."""
         owner = self._partitioned.model_name
-        named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
-        buckets = self._partitioned.ctx.buckets
-        key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
-        key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
-        compiled = self._cache.get(key)
-        if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
-            bucketed = pad_named(named, buckets, owner)
-            if self._first.accepts((), bucketed):
-                compiled = self._first
+        guard = self._partitioned.guard
+        guard.check_usable()
+        compiled = checked = bucketed = key = problem = None
+        agreement, describe = dict(signature=0), None
+        try:
+            named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
+            describe = lambda: describe_call(named)  # noqa: E731
+            buckets = self._partitioned.ctx.buckets
+            key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
+            key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
+            compiled = self._cache.get(key)
+            if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
+                bucketed = pad_named(named, buckets, owner)
+                if self._first.accepts((), bucketed):
+                    compiled = self._first
+            if compiled is not None:
+                checked = compiled.check(args, kwargs)
+                agreement = compiled.agreement(checked)
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
-                leaves = pytree.tree_leaves(((), traced_named))
-                self._partitioned.guard.agree(None, call_signature(leaves, exact=self._first.traced.values),
-                                              lambda: describe_call(bucketed))
-                compiled = self._specialize(bucketed)
-            self._cache[key] = compiled
-            self._evict()
+                agreement = dict(signature=call_signature(pytree.tree_leaves(((), traced_named))),
+                                 values=_tensors(traced_named), exact=set(self._valued), marker="a new specialisation")
+        except InputError as error:
+            problem = error
+        except Exception as error:  # still a rejection, on every rank
+            problem = InputError(f"{owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
+        guard.agree(problem, describe=describe, **agreement)
+        if compiled is None:
+            compiled = self._specialize(bucketed)  # every rank builds it, and compares its plan
+            self._remember(key, compiled)
+            return compiled(*args, **kwargs)
+        self._remember(key, compiled)
+        return compiled.run(checked)
+
+    def _remember(self, key, compiled: CompiledPartition) -> None:
+        self._cache[key] = compiled
+        self._evict()
         self._cache.move_to_end(key)
-        return compiled(*args, **kwargs)
 
     def _specialize(self, named: dict) -> CompiledPartition:
-        traced = dict(zip(self._first.user_names, (list(v.shape) for v in self._first.user_vals)))
-        shapes = ", ".join(f"{name}{list(t.shape)}" for name, t in _tensors(named) if traced.get(name) != list(t.shape))
-        values = [name for name, t in _tensors(named) if name in self._valued and traced.get(name) == list(t.shape)]
-        shapes = ", ".join(filter(None, [shapes] + [f"other values of {name}" for name in values]))
+        shapes = "; ".join(self._differences(named))
         try:
             specialized = self._partitioned.specialize(((), named))
         except TraceError as error:  # the model itself cannot run these inputs
             why = str(error).splitlines()[0]
-            raise InputError(f"{self._partitioned.model_name}: a call with {shapes or 'other arguments'} (traced: "
-                             + ", ".join(f"{name}{shape}" for name, shape in traced.items() if name in shapes)
-                             + f") differs from the traced one and the model cannot be traced for it: {why}") from error
+            raise InputError(f"{self._partitioned.model_name}: a call with {shapes or 'other arguments'} differs "
+                             f"from the traced one and the model cannot be traced for it: {why}") from error
         names = input_names(specialized.traced.in_spec)  # (a trace for other shapes may read values the first did not)
         self._valued |= {names[i] for i in specialized.traced.values}
         lowered, tensors = specialized.lower(self._backend, **self._options)
@@ -138,11 +156,55 @@ class PartitionedModule(torch.nn.Module):
         self._partitioned.ctx.specializations = dict(self.specializations)
         return CompiledPartition(lowered, specialized, self._backend, tensors=tensors)
 
+    def _differences(self, named: dict) -> list[str]:
+        """How a call's arguments differ from the traced ones, an argument a line: its structure or type, each
+        tensor's shape and dtype, each other value, and the values of inputs the program is specialised on."""
+        first = self._first
+        leaves = [None] * first.traced.in_spec.num_leaves
+        for index, value in zip(first.user_index, first.user_vals):
+            leaves[index] = value
+        for index, value in first.traced.constant_args.items():
+            leaves[index] = value
+        traced = pytree.tree_unflatten(leaves, first.traced.in_spec)[1]
+        found = []
+        for name, value in named.items():
+            was = traced.get(name)
+            if pytree.tree_structure(value) != pytree.tree_structure(was):
+                found.append(f"{name}={_value(value)} (traced: {_value(was)})")
+                continue
+            for (path, leaf), old in zip(pytree.tree_flatten_with_path(value)[0], pytree.tree_leaves(was)):
+                where = name + pytree.keystr(path)
+                if isinstance(leaf, torch.Tensor) != isinstance(old, torch.Tensor):
+                    found.append(f"{where}={_value(leaf)} (traced: {_value(old)})")
+                elif isinstance(leaf, torch.Tensor) and (leaf.shape != old.shape or leaf.dtype != old.dtype):
+                    other_dtype = leaf.dtype != old.dtype
+                    was = (f"{where}{list(old.shape)}" if leaf.shape != old.shape else "") + \
+                        (f" {_dtype(old)}" if other_dtype else "")
+                    found.append(f"{where}{list(leaf.shape)}" + (f" {_dtype(leaf)}" if other_dtype else "")
+                                 + f" (traced: {was.strip()})")
+                elif isinstance(leaf, torch.Tensor) and where in self._valued:
+                    found.append(f"other values of {where}")
+                elif not isinstance(leaf, torch.Tensor) and (type(leaf) is not type(old) or leaf != old):
+                    found.append(f"{where}={leaf!r} (traced: {old!r})")
+        return found
+
     def _evict(self) -> None:
         """Keep the traced shapes and the ``max_specializations`` most recently used others."""
         others = [key for key, compiled in self._cache.items() if compiled is not self._first]
         for key in others[:max(0, len(others) - self.max_specializations)]:
             del self._cache[key]
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _value(value) -> str:
+    """A value in a few words: a tensor's dtype and shape, anything else its repr (cut)."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _tensors(named: dict) -> list[tuple[str, torch.Tensor]]:

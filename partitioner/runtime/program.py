@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import sympy
 import torch
@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
-from .agreement import call_signature
+from .fingerprints import call_signature
 
 
 def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -51,7 +51,7 @@ class CompiledPartition:
         self.user_index = [gi.target for gi in traced.inputs if gi.kind == "user"]
         placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         self.user_vals = [n.meta.get("val") for n, gi in zip(placeholders, traced.inputs) if gi.kind == "user"]
-        names = input_names(traced.in_spec)
+        self.names = names = input_names(traced.in_spec)
         self.user_names = [names[i] for i in self.user_index]
         # flat argument index -> {dim: padded size}: dims served up to their bucket, padded with zeros per call
         self.padded = {}
@@ -140,30 +140,59 @@ class CompiledPartition:
             padded.append(full.to(self.device))
         return padded, self.host.sizes(outputs)
 
-    def __call__(self, *args, **kwargs):
-        self.guard.check_usable()
-        problem, signature = None, 0
-        try:  # every check of this call, before its first collective
+    def check(self, args, kwargs) -> "_Checked":
+        """Every check of a call that can fail, before its first collective: its arguments bound, flattened, padded
+        and compared with the trace, the host prologue run, every index checked. Raises ``InputError``."""
+        try:
             flat, user, return_dict, real_sizes = self.flatten(args, kwargs)
             hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
             self.preflight.check(flat, hosted, real_sizes)
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
                 self.lowered.check_inputs(*self.tensors(), *user, *hosted)
-            signature = call_signature(flat, exact=self.traced.values)
+        except InputError:
+            raise
+        except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection
+            raise InputError(f"{self.owner}: checking this call's inputs failed: {type(error).__name__}: "
+                             f"{error}") from error
+        return _Checked(flat, user, return_dict, hosted, sizes)
+
+    def agreement(self, checked: "_Checked") -> dict:
+        """What the ranks compare for a checked call (``CallGuard.agree``'s keyword arguments)."""
+        flat = checked.flat
+        return dict(signature=call_signature(flat), exact={self.names[i] for i in self.traced.values},
+                    values=[(self.names[i], v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)])
+
+    def __call__(self, *args, **kwargs):
+        self.guard.check_usable()
+        checked, problem, agreement = None, None, dict(signature=0)
+        try:  # every check of this call, before its first collective
+            checked = self.check(args, kwargs)
+            agreement = self.agreement(checked)
         except InputError as error:  # (its signature stays 0: the rejection is what the ranks learn)
             problem = error
-        except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection
-            problem = InputError(f"{self.owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
-        self.guard.agree(problem, signature, lambda: describe_call(bind_forward(self.traced.signature, args, kwargs,
-                                                                                self.owner, InputError)))
+        self.guard.agree(problem, describe=lambda: describe_call(bind_forward(self.traced.signature, args, kwargs,
+                                                                              self.owner, InputError)), **agreement)
+        return self.run(checked)
+
+    def run(self, checked: "_Checked"):
+        """Run a call that every rank checked and agreed on."""
         with self.guard.running([self.partitioned.graph_module, self.lowered]):
-            out = list(self.lowered(*self.tensors(), *user, *hosted))
+            out = list(self.lowered(*self.tensors(), *checked.user, *checked.hosted))
         for index, dim, expression in self.host.trims if self.host is not None else ():
-            out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(sizes)))
+            out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(checked.sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
-        if return_dict is False and hasattr(result, "to_tuple"):
+        if checked.return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+class _Checked(NamedTuple):
+    """A call that passed every check: its flattened arguments, the device graph's, the host prologue's results."""
+    flat: list
+    user: list
+    return_dict: bool | None
+    hosted: list
+    sizes: dict
 
 
 def call_arguments(signature, args, kwargs, owner: str) -> tuple[dict, bool | None]:

@@ -112,6 +112,29 @@ def _shorthand(placement) -> str:
 
 
 def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, atol: float) -> VerifyResult:
+    """``_verify`` on every rank; a collective that fails or times out (a peer that did not call verify) marks the
+    partition unusable and is a ``CollectiveTimeout``."""
+    from ..errors import CollectiveTimeout, PartitionerError
+    from .agreement import _first_line, forget
+
+    guard = partitioned.guard
+    guard.check_usable()
+    try:
+        return _verify(partitioned, model, args, kwargs, rtol=rtol, atol=atol)
+    except PartitionerError:
+        raise
+    except RuntimeError as error:
+        if guard.groups is None:
+            raise
+        guard.broken = f"verify() failed in a collective: {_first_line(error)}"
+        forget(guard.groups)
+        raise CollectiveTimeout(f"verify() on rank {partitioned.mesh.rank}: a collective did not complete within "
+                                f"{guard.groups.timeout:g} s, or failed ({_first_line(error)}): every rank must call "
+                                "verify() with the same inputs; the partition's message streams may now be out of "
+                                "step, so it is unusable: partition the model again on every rank") from error
+
+
+def _verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, atol: float) -> VerifyResult:
     from .program import CompiledPartition
 
     mesh = partitioned.mesh
