@@ -23,7 +23,7 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 	$(XLA_PY) -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: demo demo-xla test
+.PHONY: demo demo-xla test test-fast
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
@@ -41,3 +41,7 @@ COMPAT := tests/xla tests/test_tp_numerics.py tests/test_hoist_host.py tests/tes
 test: $(VENV)/.installed $(XLA_VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/xla
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) -m pytest -q $(COMPAT)
+
+# The edit loop: the tests not marked slow (tests/conftest.py), every file represented, about 8 minutes on 2 cores.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/xla
