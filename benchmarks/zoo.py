@@ -63,16 +63,32 @@ def _blocks(name: str) -> int:
 SEQUENCE_MESHES = (("ulysses", 2), ("ulysses", 4), ("ulysses", 8), ("ring", 2))
 
 
+def _cells(traced, model, name: str, degree: int, params: int) -> list[str]:
+    """The replicated share at TP=``degree`` and the attentions sequence-sharded at each of ``SEQUENCE_MESHES``
+    (rank programs, as a DeviceMesh partition plans), each decided on its own copy of ``traced``."""
+    from partitioner.frontend.trace import copy_graph_module
+    from partitioner.mesh import as_mesh_spec
+    from partitioner.partitioned import decide
+    from partitioner.passes.plan_sequence import attention_counts
+
+    cells = [_replicated(model, decide(_copy(traced, copy_graph_module), as_mesh_spec(
+        {"tp": degree}, programs="rank"), name), params)]
+    for axis, n in SEQUENCE_MESHES:
+        ctx = decide(_copy(traced, copy_graph_module), as_mesh_spec({axis: n}, programs="rank"), name)[0]
+        sharded, total = attention_counts(ctx)
+        first = next(iter(ctx.sequence_whole.values()), "")
+        cells.append(f"{sharded}/{total}" + (f" ({first[:60]})" if first else ""))
+    return cells
+
+
 def full_table(models: list[str], degree: int, sizes: str | None = None) -> list[str]:
     """Each model's production config on the meta device at the sizes its pipeline passes (``PIPELINE_SIZES``),
     traced once per size and planned for rank programs (as a DeviceMesh partition plans): the share of parameter
     bytes every rank holds whole at TP=``degree``, and the attentions sequence-sharded at each of
     ``SEQUENCE_MESHES``, with the first reason one is left whole."""
-    from partitioner.api import decide
-    from partitioner.errors import PartitionerError
-    from partitioner.mesh import as_mesh_spec
+    from partitioner.errors import DataDependentNumber, PartitionerError
+    from partitioner.frontend.trace import trace
     from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
-    from partitioner.frontend.trace import copy_graph_module, trace
 
     heads = " | ".join(f"{axis}={n}" for axis, n in SEQUENCE_MESHES)
     lines = [f"| model | size | params | replicated at TP={degree} | attentions sequence-sharded: {heads} | "
@@ -90,16 +106,11 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    traced = trace(model, (args, kwargs))
-                    cells = [_replicated(model, decide(_copy(traced, copy_graph_module), as_mesh_spec(
-                        {"tp": degree}, programs="rank"), name), params)]
-                    for axis, n in SEQUENCE_MESHES:
-                        ctx = decide(_copy(traced, copy_graph_module), as_mesh_spec({axis: n}, programs="rank"),
-                                     name)[0]
-                        total = len(ctx.sequence_attention)
-                        first = next(iter(ctx.sequence_whole.values()), "")
-                        cells.append(f"{total - len(ctx.sequence_whole)}/{total}" + (f" ({first[:60]})" if first
-                                                                                    else ""))
+                    try:
+                        cells = _cells(trace(model, (args, kwargs)), model, name, degree, params)
+                    except DataDependentNumber:  # as partition() does: traced again for its masks' values
+                        cells = _cells(trace(model, (args, kwargs), specialize_values=True), model, name, degree,
+                                       params)
             except PartitionerError as error:
                 lines.append(f"| {name} | {label} | {params / 1e9:.1f}B | refused: {type(error).__name__} "
                              f"{str(error).splitlines()[0][:80]} |" + " |" * (len(SEQUENCE_MESHES) + 1))
