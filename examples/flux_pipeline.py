@@ -16,12 +16,16 @@ compares every step's latents and the decoded image with the unpartitioned pipel
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
+# transformers warns at import that its image processors fall back without torchvision (unused here): quiet
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import partitioner
-from partitioner.testing import launch
+import torch  # noqa: E402
+
+import partitioner  # noqa: E402
+from partitioner.testing import launch  # noqa: E402
 
 
 def build(model: str | None, meta_transformer: bool):
