@@ -9,7 +9,8 @@ denoising step's latents and the decoded output are compared with the unpartitio
 (1e-4: float32 with sums reordered; measured at most 3e-6). Under Ulysses every attention of every program must be
 sequence-sharded: an exact but replicated run is no parallelism. A second request at another resolution (or video
 length) is served by one shape specialisation per denoiser, counted on ``pipe.transformer.specializations``.
-Negative control: ranks seeded differently must come out different. Two gloo pools serve every case.
+Ranks seeded differently are refused on every rank (input fingerprints); with the fingerprints off they must come
+out different (the negative control). Two gloo pools serve every case.
 """
 
 from __future__ import annotations
@@ -166,8 +167,19 @@ def _stand_in(rank, world, tmp):
     before = reads()
     same = _errors(run(pipe, "flux"), run(reference, "flux"))
     after = reads()
-    # negative control: ranks must run the pipeline on the same inputs; ranks seeded differently are told apart
+    # ranks must run the pipeline on the same inputs: ranks seeded differently are refused on every rank (the
+    # inputs' fingerprints), and the partition stays usable; negative control: with the fingerprints off they run
+    # and come out different, so the comparisons above can fail
+    from partitioner.errors import InputError
+
+    try:
+        run(pipe, "flux", seed=rank)
+        seeded = None
+    except InputError as error:
+        seeded = str(error)
+    pipe.transformer.partitioned.input_fingerprint = "off"
     different = _errors(run(pipe, "flux", seed=rank), run(reference, "flux", seed=rank))
+    pipe.transformer.partitioned.input_fingerprint = "sample"
     refused = {}
     attempts = {"fuse_qkv_projections": lambda t: t.fuse_qkv_projections(),
                 "load_lora_adapter": lambda t: t.load_lora_adapter({}, adapter_name="x"),
@@ -192,7 +204,7 @@ def _stand_in(rank, world, tmp):
     with pipe.transformer.partitioned.compile().cache_context("uncond"):  # compile()'s module too
         pass
     return dict(before=before, after=after, refused=refused, repr=repr(pipe.transformer), same=same,
-                different=different,
+                different=different, seeded=seeded,
                 call=max((got - expected).abs().max().item(), (got_tuple[0] - expected).abs().max().item()),
                 specializations=len(pipe.transformer.specializations))
 
@@ -200,6 +212,9 @@ def _stand_in(rank, world, tmp):
 def test_the_stand_in_answers_what_pipelines_read_and_refuses_changes_once_partitioned(pools, tmp_path):
     results = pools[2].run(_stand_in, str(tmp_path / "saved"))
     assert all(max(result["same"]) <= TOLERANCE for result in results)
+    for result in results:  # other latents on rank 1: refused on every rank, naming the input
+        assert result["seeded"] and "other input values" in result["seeded"] and "hidden_states" in \
+            result["seeded"], result["seeded"]
     assert max(max(result["different"]) for result in results) > 1e-2  # the negative control is detected
     for rank, result in enumerate(results):
         expected = dict(device="cpu", dtype=torch.float32, config=True, execution_device="cpu", pipe_device="cpu",
