@@ -15,6 +15,7 @@ from collections import Counter
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ notices (GSPMD's deprecation) are not ours to print
 
 import torch  # noqa: E402
 
