@@ -14,7 +14,7 @@ import torch
 
 from partitioner import (CollectiveTimeout, InputError, PartitionError, PartitionUnusable, RankDisagreement,
                          partition)
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, attempt, h3_inputs, run_ranks, tiny_h3
 
 TIMEOUT = 6.0  # seconds, every collective of these partitions
 TOLERANCE = 1e-5  # float32, sharding reorders sums only (see test_tp_numerics)
@@ -24,16 +24,6 @@ def _mesh(shape, names):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def _attempt(call) -> tuple[str, str, float]:
-    """(outcome class name, message, seconds) of a call expected to raise."""
-    start = time.monotonic()
-    try:
-        call()
-        return "returned", "", time.monotonic() - start
-    except Exception as error:  # the test asserts which class
-        return type(error).__name__, str(error), time.monotonic() - start
 
 
 def _error(model, compiled, inputs) -> float:
@@ -51,8 +41,8 @@ def _bad_index_then_good(rank, world, preflight: bool):
         compiled.preflight.program = None
     bad = dict(inputs, token_tags=inputs["token_tags"].clone())
     bad["token_tags"][-1] = 7  # 2 timesteps x 3 tags: indices of the per-row table run to 5
-    outcome = _attempt(lambda: compiled(**bad))
-    after = _attempt(lambda: _error(model, compiled, inputs))
+    outcome = attempt(lambda: compiled(**bad))
+    after = attempt(lambda: _error(model, compiled, inputs))
     return outcome, after, _error(model, compiled, inputs) if after[0] == "returned" else None
 
 
@@ -84,7 +74,7 @@ def _one_rank_rejects(rank, world):
     call = dict(inputs)
     if rank == 1:
         call["encoder_hidden_states"] = torch.randn(1, 6, TINY_H3["text_dim"])
-    outcome = _attempt(lambda: compiled(**call))
+    outcome = attempt(lambda: compiled(**call))
     return outcome, _error(model, compiled, inputs)
 
 
@@ -102,7 +92,7 @@ def _plans_differ(rank, world, how: str):
     inputs = h3_inputs(TINY_H3, text=6 if rank == 1 and how == "shapes" else 5)
     plan = {"proj_in": "diagonal"} if rank == 1 and how == "failure" else None
     plan = {"transformer_blocks.*.attn.to_out.0": "replicate"} if rank == 1 and how == "options" else plan
-    return _attempt(lambda: partition(model, _mesh((world,), ("tp",)), ((), inputs), plan=plan, timeout=TIMEOUT))
+    return attempt(lambda: partition(model, _mesh((world,), ("tp",)), ((), inputs), plan=plan, timeout=TIMEOUT))
 
 
 @pytest.mark.parametrize("how", ["shapes", "options"])
@@ -130,8 +120,8 @@ def _peer_fails_mid_call(rank, world):
         with graph.inserting_before(reduce):
             graph.call_function(_injected_failure, ())
         partitioned.graph_module.recompile()
-    failed = _attempt(lambda: compiled(**inputs))
-    again = _attempt(lambda: compiled(**inputs))
+    failed = attempt(lambda: compiled(**inputs))
+    again = attempt(lambda: compiled(**inputs))
     rebuilt = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
     return failed, again, _error(model, rebuilt, inputs)
 
@@ -157,7 +147,7 @@ def _peer_never_calls(rank, world):
     if rank == 1:
         time.sleep(TIMEOUT + 2)
         return None
-    return _attempt(lambda: compiled(**inputs))
+    return attempt(lambda: compiled(**inputs))
 
 
 def test_a_rank_that_never_calls_is_a_timeout_not_a_hang():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from partitioner import partition
-from partitioner.testing import TINY_H3, RankPool, h3_inputs, tiny_h3
+from partitioner.testing import TINY_H3, RankPool, attempt, h3_inputs, tiny_h3
 
 TIMEOUT = 5.0  # seconds, every collective of these partitions
 SLACK = 8.0  # seconds past the timeout a case may take to end (a loaded 2-core machine)
@@ -31,16 +31,6 @@ def _mesh(world):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-
-
-def _attempt(call) -> tuple[str, str, float]:
-    """(outcome class name, message, seconds) of a call."""
-    start = time.monotonic()
-    try:
-        call()
-        return "returned", "", time.monotonic() - start
-    except Exception as error:  # the test asserts which class
-        return type(error).__name__, str(error), time.monotonic() - start
 
 
 def _error(inputs=None) -> float:
@@ -94,7 +84,7 @@ def _one_rank_call(rank, world, how: str):
     if rank == 1 and how == "index":
         inputs["token_tags"] = inputs["token_tags"].clone()
         inputs["token_tags"][-1] = 7
-    return _attempt(lambda: _STATE["compiled"](**inputs, **kwargs)), _error()
+    return attempt(lambda: _STATE["compiled"](**inputs, **kwargs)), _error()
 
 
 @pytest.mark.parametrize("how, reason", [
@@ -116,7 +106,7 @@ def _other_bucket(rank, world):
     inputs = dict(_STATE["inputs"])
     if rank == 1:
         inputs["timestep"] = torch.rand(3)
-    return _attempt(lambda: _STATE["compiled"](**inputs)), _error()
+    return attempt(lambda: _STATE["compiled"](**inputs)), _error()
 
 
 def test_ranks_choosing_different_programs_refuse_together(pool):
@@ -134,7 +124,7 @@ def _divergent_latents(rank, world, fingerprint: str):
         inputs["hidden_states"] = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(7))
     try:
         with torch.no_grad():
-            outcome = _attempt(lambda: _STATE.__setitem__("out", _STATE["compiled"](**inputs).sample))
+            outcome = attempt(lambda: _STATE.__setitem__("out", _STATE["compiled"](**inputs).sample))
         wrong = (_STATE.pop("out") - _STATE["reference"]).abs().max().item() if outcome[0] == "returned" else None
     finally:
         _STATE["partitioned"].input_fingerprint = "sample"
@@ -168,7 +158,7 @@ def _divergent_mask(rank, world):
     x, text, mask = _inputs()
     compiled = partition(model, _mesh(world), ((x, text, mask), {}), timeout=TIMEOUT).compile()
     other = _inputs(pad=3)[2] if rank == 1 else mask
-    outcome = _attempt(lambda: compiled(x, text, other))
+    outcome = attempt(lambda: compiled(x, text, other))
     with torch.no_grad():
         error = max((a - b).abs().max().item() for a, b in zip(compiled(x, text, mask), model(x, text, mask)))
     return outcome, error
@@ -184,7 +174,7 @@ def test_a_mask_whose_values_differ_between_ranks_is_named(pool):
 def _other_weights(rank, world):
     """Rank 1 builds its model unseeded (other random weights): the plan check compares sampled weights."""
     model = tiny_h3(seed=1) if rank == 1 else _STATE["model"]
-    return _attempt(lambda: partition(model, _mesh(world), ((), _STATE["inputs"]), buckets=BUCKETS,
+    return attempt(lambda: partition(model, _mesh(world), ((), _STATE["inputs"]), buckets=BUCKETS,
                                       timeout=TIMEOUT)), _error()
 
 
@@ -198,7 +188,7 @@ def test_ranks_whose_models_hold_other_weights_refuse_to_partition(pool):
 # ---- 3. load_weights all or nothing ----
 
 def _load(rank, world, paths: list[str], expect_seed: int):
-    outcome = _attempt(lambda: _STATE["partitioned"].load_weights(paths[rank]))
+    outcome = attempt(lambda: _STATE["partitioned"].load_weights(paths[rank]))
     if outcome[0] == "returned":
         _STATE["model"] = tiny_h3(expect_seed)
         with torch.no_grad():
@@ -227,9 +217,9 @@ def _peer_skips_a_call(rank, world):
         time.sleep(TIMEOUT + 3)
         outcome = None
     else:
-        outcome = _attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
-    again = _attempt(lambda: _STATE["compiled"](**_STATE["inputs"])) if rank == 0 else None
-    return outcome, again, _attempt(lambda: _partition(world)), _error()
+        outcome = attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
+    again = attempt(lambda: _STATE["compiled"](**_STATE["inputs"])) if rank == 0 else None
+    return outcome, again, attempt(lambda: _partition(world)), _error()
 
 
 def test_a_rank_that_skips_a_call_times_out_and_a_new_partition_is_exact(pool):
@@ -243,8 +233,8 @@ def test_a_rank_that_skips_a_call_times_out_and_a_new_partition_is_exact(pool):
 
 
 def _peer_skips_partition(rank, world):
-    skipped = _attempt(lambda: _partition(world)) if rank == 0 else time.sleep(TIMEOUT + 3)
-    return skipped, _attempt(lambda: _partition(world)), _error()
+    skipped = attempt(lambda: _partition(world)) if rank == 0 else time.sleep(TIMEOUT + 3)
+    return skipped, attempt(lambda: _partition(world)), _error()
 
 
 def test_a_rank_that_never_calls_partition_is_named_and_the_next_partition_is_exact(pool):
@@ -257,12 +247,12 @@ def test_a_rank_that_never_calls_partition_is_named_and_the_next_partition_is_ex
 
 def _verify_on_one_rank(rank, world):
     if rank == 0:
-        outcome = _attempt(lambda: _STATE["partitioned"].verify(**_STATE["inputs"]))
-        after = _attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
+        outcome = attempt(lambda: _STATE["partitioned"].verify(**_STATE["inputs"]))
+        after = attempt(lambda: _STATE["compiled"](**_STATE["inputs"]))
     else:
         time.sleep(TIMEOUT + 3)
         outcome = after = None
-    return outcome, after, _attempt(lambda: _partition(world)), _error()
+    return outcome, after, attempt(lambda: _partition(world)), _error()
 
 
 def test_verify_on_one_rank_marks_the_partition_unusable(pool):
@@ -282,7 +272,7 @@ def _alike_call(rank, world, how: str):
         inputs["timestep"] = inputs["timestep"].tolist()
     if how == "dtype":
         inputs["hidden_states"] = inputs["hidden_states"].double()
-    return _attempt(lambda: _STATE["compiled"](**inputs)), _error(), list(_STATE["compiled"].specializations)
+    return attempt(lambda: _STATE["compiled"](**inputs)), _error(), list(_STATE["compiled"].specializations)
 
 
 def test_a_timestep_passed_as_a_list_names_the_argument(pool):

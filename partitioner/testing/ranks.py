@@ -9,6 +9,7 @@ import multiprocessing.util
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -192,4 +193,16 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], rank: int):
         dist.destroy_process_group()
 
 
-__all__ = ['RankFailure', 'RankPool', 'broken_rule', 'drop_all_reduce', 'fake_mesh', 'launch', 'run_ranks']
+def attempt(call) -> tuple[str, str, float]:
+    """(outcome class name, message, seconds) of a call: "returned" when it did not raise. A fault test asserts
+    the class and message on every rank, and that it ended within the partition's timeout."""
+    start = time.monotonic()
+    try:
+        call()
+        return "returned", "", time.monotonic() - start
+    except Exception as error:  # the caller asserts which class
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+__all__ = ['RankFailure', 'RankPool', 'attempt', 'broken_rule', 'drop_all_reduce', 'fake_mesh', 'launch',
+           'run_ranks']
