@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import time
 import weakref
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     of each input tensor), "full" (a hash of every byte) or "off"; ranks called with other values raise
     ``InputError`` on every rank naming the inputs (``Partitioned.input_fingerprint`` changes it later).
     """
+    start = time.perf_counter()
     check_fingerprint(input_fingerprint)
     spec, groups = mesh_with_groups(mesh, rank, timeout)
     buckets = parse_buckets(buckets)
@@ -99,6 +101,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     partitioned.skeleton = _skeleton(model)
     partitioned.model_config = getattr(model, "config", None)
     partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    partitioned.seconds["partition"] = time.perf_counter() - start
     return partitioned
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,7 @@ from .frontend.trace import Traced, copy_graph_module, trace
 from .mesh import MeshSpec
 from .passes import PLAN, TO_RANK, run_passes
 from .passes.context import Overlap, PassContext
+from .passes.runner import collector_skips_what_exists
 from .planning.dump import Dumper
 from .planning.plan_view import write_html
 from .planning.report import Report, build_report, collective_stats
@@ -52,6 +54,9 @@ class Partitioned:
         self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
         self._children: list = []  # weak references to shape specialisations, which load_weights updates too
+        # what making it cost, on the way to its first step: trace, passes, partition, load_weights, compile
+        # (and "first call", which the drop-in module adds and logs: ``runtime.module.first_step_line``)
+        self.seconds: dict[str, float] = {"passes": sum(ctx.pass_seconds.values())}
         traced.state = {}
 
     def load_weights(self, path, *, device=None, strict: bool = True) -> "Partitioned":
@@ -64,7 +69,7 @@ class Partitioned:
         agree, and every rank commits them or none does (a failure on any rank is a ``CheckpointError`` on every
         rank naming the rank and the file; the partition keeps its previous weights)."""
         self.guard.check_usable()
-        staged, failure = None, None
+        staged, failure, start = None, None, time.perf_counter()
         try:
             expected, computed = self._checkpoint_tensors()
             shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
@@ -82,6 +87,7 @@ class Partitioned:
                 child.state = {**child.state, **{n: staged[n] for n in expected if n in child.state}}
                 child.checkpoint, child._whole = self.checkpoint, None
         self._whole = None
+        self.seconds["load_weights"] = time.perf_counter() - start
         return self
 
     def specialize(self, example_inputs) -> "Partitioned":
@@ -232,7 +238,10 @@ class Partitioned:
         every device through XLA SPMD; option ``verify``); see ``partitioner.backends``."""
         from .runtime.module import PartitionedModule
 
-        return PartitionedModule(self, backend, options)
+        start = time.perf_counter()
+        module = PartitionedModule(self, backend, options)
+        self.seconds["compile"] = time.perf_counter() - start
+        return module
 
     def lower(self, backend: str = "eager", **options):
         """The backend's program and what gives it its tensors at each call: this rank's program and shards for a
@@ -303,16 +312,23 @@ def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, 
     """``partition_with(trace(model, example_inputs))``; when the host prologue cannot take a data-dependent size
     (it sizes device ops), the model is traced again specialised on its integer and boolean inputs' values
     (``value_specialization``), if it has any and the first trace was not."""
-    traced = trace(model, example_inputs, specialize_values=specialize_values)
-    try:
-        return partition_with(traced)
-    except DataDependentNumber:
-        if traced.values_specialized:
-            raise
-        retraced = trace(model, example_inputs, specialize_values=True)
-        if not retraced.values:  # no integer or boolean input it derives from
-            raise
-    return partition_with(retraced)
+    with collector_skips_what_exists():
+        start = time.perf_counter()
+        traced = trace(model, example_inputs, specialize_values=specialize_values)
+        traced_s = time.perf_counter() - start
+        try:
+            partitioned = partition_with(traced)
+        except DataDependentNumber:
+            if traced.values_specialized:
+                raise
+            start = time.perf_counter()
+            retraced = trace(model, example_inputs, specialize_values=True)
+            traced_s += time.perf_counter() - start
+            if not retraced.values:  # no integer or boolean input it derives from
+                raise
+            partitioned = partition_with(retraced)
+    partitioned.seconds["trace"] = traced_s
+    return partitioned
 
 
 def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
@@ -364,10 +380,11 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
                      buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
     ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
-    ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
-                           overlap=overlap)
-    planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
-    gm = run_passes(gm, ctx, TO_RANK, dump)
+    with collector_skips_what_exists():
+        ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds,
+                               buckets=buckets, overlap=overlap)
+        planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
+        gm = run_passes(gm, ctx, TO_RANK, dump)
     traced.graph_module, traced.inputs = gm, ctx.inputs
     partitioned = Partitioned(model_name, traced, ctx, planned)
     if dump.directory:  # the plan as a picture beside the pass dumps
@@ -405,4 +422,5 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
-    return ctx, run_passes(gm, ctx, PLAN, dump), dump
+    with collector_skips_what_exists():
+        return ctx, run_passes(gm, ctx, PLAN, dump), dump

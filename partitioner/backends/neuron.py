@@ -210,7 +210,9 @@ def legalize(gm: GraphModule, *, pad_sequence: bool = False) -> GraphModule:
     """A copy of this rank's graph rewritten as Neuron wants it: int64 indices narrowed to int32 where they provably
     fit, and with ``pad_sequence`` attention lengths padded exactly to multiples of 512. ``gm`` is left as it is."""
     gm = narrow_indices.run(copy_graph_module(gm))
-    return pad_attention.run(gm, BLOCK) if pad_sequence else gm
+    gm = pad_attention.run(gm, BLOCK) if pad_sequence else gm
+    gm.recompile()  # (passes rewrite the graph only; its code is generated once they are done)
+    return gm
 
 
 def require_legal(gm: GraphModule, mesh, text_rows: int | None = None) -> None:

@@ -22,13 +22,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import DataDependentNumber, InvariantError
 from ..frontend.padding import follow_padding
 from ..frontend.trace import GraphInput, source_line
 from ..rules import PartitionError
 from .context import PassContext
+from .regions import propagate_fake_values
 
 # Trace-time checks on sizes: true by construction once shapes are static and bounded.
 _SIZE_CHECKS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -223,7 +223,7 @@ def _propagate_static_shapes(gm: GraphModule, ctx: PassContext, transfers: list[
                 fakes.append(torch.empty(val.shape, dtype=val.dtype, device=val.device))
             else:
                 fakes.append(val)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    propagate_fake_values(gm, mode, fakes)
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -242,7 +242,6 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                            _reasons(gm, host, sources), trims)
     _remove_from_device(gm, ctx, host, prologue_inputs)
     gm.graph.lint()
-    gm.recompile()
     _propagate_static_shapes(gm, ctx, transfers)
     padded = {node: next(iter(transfers[gi.target].sizes)) for node, gi in zip(_placeholders(gm), ctx.inputs)
               if gi.kind == "host" and transfers[gi.target].sizes}

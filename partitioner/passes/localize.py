@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
@@ -26,6 +25,7 @@ from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.views import block_range
 from ..runtime import collectives
 from .context import PassContext
+from .regions import propagate_fake_values
 
 aten = torch.ops.aten
 _SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -135,14 +135,13 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             _localize_sizes(node, mesh)
-    gm.recompile()
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake_inputs = [torch.empty(_expected_local(n, mesh), dtype=n.meta["val"].dtype, device=n.meta["val"].device)
                        if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
                        for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    propagate_fake_values(gm, mode, fake_inputs)
     return gm
 
 

@@ -96,7 +96,6 @@ def run(gm: GraphModule) -> GraphModule:
         else:
             continue
         _narrow(node, node)
-    gm.recompile()
     return gm
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
-from torch.fx import Node
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 _BLOCK = re.compile(r"\.\d+$")
 
@@ -30,3 +34,72 @@ def runs_of_blocks(nodes) -> list[list[Node]]:
             key = block
         runs[-1].append(node)
     return runs
+
+
+def propagate_fake_values(gm: GraphModule, mode: FakeTensorMode, inputs) -> None:
+    """``FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)``, each distinct repeated block propagated
+    once: a block whose code (names abstracted away) and whose inputs' shapes, strides and dtypes equal a block's
+    already propagated takes that block's values node for node. That is exact (fake-tensor ops are functions of
+    their inputs' metadata) and turns 50 blocks of H3 into one. A block with data-dependent sizes or an op that
+    writes its inputs is always propagated."""
+    _RepeatedBlockProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+class _RepeatedBlockProp(FakeTensorProp):
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode):
+        super().__init__(gm, mode)
+        self.runs = {run[0]: run for run in runs_of_blocks(gm.graph.nodes) if repeated_block(run[0]) is not None}
+        self.templates: dict[tuple, list[Node]] = {}  # (code, inputs' metadata) -> the block first propagated
+        self.copy_from: dict[Node, Node] = {}
+
+    def run_node(self, n: Node):
+        if n in self.runs:
+            self._match(self.runs[n])
+        template = self.copy_from.pop(n, None)
+        if template is None:
+            return super().run_node(n)
+        n.meta["val"] = template.meta["val"]
+        return template.meta["val"]
+
+    def _match(self, run: list[Node]) -> None:
+        code, external = code_of(run)
+        inputs = tuple(_metadata(self.env[node]) for node in external)
+        if None in inputs:
+            return
+        template = self.templates.setdefault((code, inputs), run)
+        if template is not run and all(_static(node) for node in template):
+            self.copy_from.update(zip(run, template))
+
+
+def code_of(run: list[Node]) -> tuple[str, list[Node]]:
+    """A run's code with its own nodes numbered by position and the values it reads from outside in order."""
+    position = {node: index for index, node in enumerate(run)}
+    external: dict[Node, int] = {}
+
+    def ref(node: Node) -> str:
+        return f"%{position[node]}" if node in position else f"${external.setdefault(node, len(external))}"
+
+    lines = [f"{n.op} {n.target} {map_arg(n.args, ref)} {map_arg(n.kwargs, ref)}" for n in run]
+    return "\n".join(lines), list(external)
+
+
+def _metadata(value):
+    """What a fake op's result depends on of an input: None when a size is symbolic."""
+    if isinstance(value, torch.Tensor):
+        if not all(isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset())):
+            return None
+        return tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device
+    if isinstance(value, (tuple, list)):
+        items = tuple(_metadata(v) for v in value)
+        return None if None in items else items
+    if isinstance(value, torch.SymInt):
+        return None
+    return repr(value)
+
+
+def _static(node: Node) -> bool:
+    """A node whose value a copy may take: no symbolic size, and its op writes none of its inputs."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return _metadata(node.meta.get("val")) is not None

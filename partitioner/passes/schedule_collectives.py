@@ -16,6 +16,8 @@ Overlap is never bought with memory: a node is hoisted over a wait only while th
 bytes they hold at once in the original order (``peak_bytes``: a value computed early lives longer); a run whose
 whole schedule still holds more (what is hoisted stays alive while later nodes run) is scheduled again with a
 lower bound for hoisting (``HOIST_LIMITS``), and keeps its original order if none holds.
+A run whose code and every figure the schedule reads (estimates, bytes, which values outlive it) equal a run's
+already scheduled takes that run's order (50 blocks of H3 are scheduled once).
 Collectives issued by one node and waited on by another (all_reduce, all_gather, reduce_scatter, all_to_all) are
 overlapped; synchronous ones (ring attention, sharded norms, halo convolution) keep their places in the collective
 order. A collective holds what it sends until its wait (``report.held_bytes``), so exchanges in flight together
@@ -34,7 +36,7 @@ from ..planning.cost import collective_s, load_profile, node_compute_s
 from ..planning.report import aliases, collective_calls, held_bytes
 from ..runtime import collectives
 from .context import PassContext
-from .regions import runs_of_blocks
+from .regions import code_of, runs_of_blocks
 
 # Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
 HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
@@ -193,6 +195,24 @@ def _within_memory(run: list[Node], compute_s, comm_s) -> list[Node] | None:
     return None
 
 
+def schedule_key(run: list[Node], compute_s, comm_s) -> tuple:
+    """Everything ``_within_memory`` reads of a run: its code (values from outside numbered in order), each node's
+    estimates and bytes, which of its values are read after it, and what the values it reads from outside view
+    and hold. Two runs with one key get one schedule."""
+    code, external = code_of(run)
+    inside = set(run)
+    nodes = tuple((issues_collective(node), compute_s(node), comm_s(node) if issues_collective(node) else 0.0,
+                   held_bytes(node), aliases(node), any(user not in inside for user in node.users)) for node in run)
+
+    def read_after(node: Node) -> int:
+        return sum(1 for user in node.users if user not in inside)
+
+    bases = {base: i for i, base in enumerate(dict.fromkeys(_base(node) for node in external))}
+    outside = tuple((aliases(node), read_after(node), bases[base], held_bytes(base), base.op, read_after(base))
+                    for node, base in ((node, _base(node)) for node in external))
+    return code, nodes, outside
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     ctx.collective_order = [node.name for node in gm.graph.nodes if issues_collective(node)]
     if not ctx.overlap.schedule or ctx.mesh.world_size == 1:
@@ -214,10 +234,16 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     first = next(node for node in gm.graph.nodes if node.op != "placeholder")
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:  # (a local slice may sit between them)
         first.prepend(node)
+    scheduled: dict[tuple, list[int] | None] = {}  # a run's schedule_key -> its order, as positions in the run
     for run_ in runs_of_blocks(gm.graph.nodes):
-        order = _within_memory(run_, compute_s, comm_s)
-        if order is None:
+        key = schedule_key(run_, compute_s, comm_s)
+        if key not in scheduled:
+            order = _within_memory(run_, compute_s, comm_s)
+            position = {node: i for i, node in enumerate(run_)}
+            scheduled[key] = None if order is None else [position[node] for node in order]
+        if scheduled[key] is None:
             continue
+        order = [run_[i] for i in scheduled[key]]
         anchor = run_[0].prev
         for node in order:
             anchor.append(node)

@@ -10,7 +10,6 @@ NeuronCore of a trn2 host.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 
 from ..api import partition_traced
 from ..errors import InputError, PartitionError
+from ..frontend.trace import copy_graph_module
 from ..mesh import as_mesh_spec
 from ..passes.context import Overlap
 from . import cost
@@ -154,7 +154,7 @@ def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int =
     """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost), its
     communication overlapped as ``profile``'s costs say (the one the layout is costed on)."""
     mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0, programs="rank")
-    return partition_traced(dataclasses.replace(traced, graph_module=copy.deepcopy(traced.graph_module)), mesh,
+    return partition_traced(dataclasses.replace(traced, graph_module=copy_graph_module(traced.graph_module)), mesh,
                             model_name, overlap=Overlap(profile=profile or DEFAULT_PROFILE))
 
 
