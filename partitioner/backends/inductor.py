@@ -53,6 +53,20 @@ def _structure_key(module: GraphModule, inputs) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+def _compile(gm: GraphModule, args: list):
+    """``compile_fx`` in a tracing context whose fake mode has a shape environment, as under ``torch.compile``:
+    Inductor's FX graph cache keys its entries on it and bypasses any compilation without one, so that ranks and
+    restarts compiling the same region read the compiled code from the cache (``TORCHINDUCTOR_CACHE_DIR``)
+    instead of compiling it again. Shapes stay static (the example's)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))):
+        return compile_fx(gm, args)
+
+
 class _Interpreter(torch.fx.Interpreter):
     """Runs the split graph, compiling each block region at its first call (identical regions share one
     compilation); with ``compile_glue`` the regions between blocks are compiled too, else they run eagerly."""
@@ -69,12 +83,10 @@ class _Interpreter(torch.fx.Interpreter):
         if target in self.eager:
             return super().call_module(target, args, kwargs)
         if target not in self.compiled:
-            from torch._inductor.compile_fx import compile_fx
-
             submodule = self.fetch_attr(target)
             key = _structure_key(submodule, args)
             if key not in self.by_key:
-                self.by_key[key] = compile_fx(submodule, list(args))
+                self.by_key[key] = _compile(submodule, list(args))
                 self.stats.compilations += 1
             self.stats.reused[key] = self.stats.reused.get(key, 0) + 1
             self.compiled[target] = self.by_key[key]
@@ -90,9 +102,7 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
 
         def run_whole(*args):
             if not compiled:
-                from torch._inductor.compile_fx import compile_fx
-
-                compiled.append(compile_fx(gm, list(args)))
+                compiled.append(_compile(gm, list(args)))
                 stats.regions = stats.compilations = 1
             return compiled[0](*args)
 

@@ -308,6 +308,31 @@ def _inputs_on_meta_for_meta_model(model: torch.nn.Module, named: dict) -> dict:
     return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), named)
 
 
+def _real_buffers_of_meta_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that are not on meta of a model whose parameters are (accelerate's ``init_empty_weights`` keeps
+    buffers real, ``rope.inv_freq`` among them), by name."""
+    if not any(p.is_meta for p in model.parameters()):
+        return {}
+    return {name: b for name, b in model.named_buffers() if not b.is_meta}
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: torch.nn.Module, real: dict[str, torch.Tensor]):
+    """``real`` buffers replaced by meta ones while the model is traced on meta inputs (a real buffer beside meta
+    parameters and inputs is a device mismatch); the trace's state takes the real values back."""
+    owners = []
+    for name, tensor in real.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        owners.append((module, leaf, tensor))
+        module._buffers[leaf] = tensor.to("meta")
+    try:
+        yield
+    finally:
+        for module, leaf, tensor in owners:
+            module._buffers[leaf] = tensor
+
+
 def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor]):
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name).
     Returns the program and where the model read the values."""
@@ -352,13 +377,16 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     names = [argument_name(path[1:]) for path, _ in leaves]
     values = {name: leaf for name, (_, leaf) in zip(names, leaves) if specializable(leaf)}  # before meta below
     named = _inputs_on_meta_for_meta_model(model, named)
+    real_buffers = _real_buffers_of_meta_model(model)
     try:
-        program, reads = _export(model, named, owner, values if specialize_values else {})
+        with _buffers_on_meta(model, real_buffers):
+            program, reads = _export(model, named, owner, values if specialize_values else {})
     except TraceError as error:
         if specialize_values or not values:
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
-            program, reads = _export(model, named, owner, values)
+            with _buffers_on_meta(model, real_buffers):
+                program, reads = _export(model, named, owner, values)
         except TraceError as again:
             why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
             raise TraceError(f"{error}\n(traced again for the values of {', '.join(values)}: {why})") \
@@ -383,11 +411,13 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
     state = dict(program.state_dict)
+    state.update({name: real for name, real in real_buffers.items() if name in state})
     # constants (tensors the model makes from literals, what value specialisation folded) live with the weights
     devices = {t.device for t in program.state_dict.values() if not t.is_meta}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
     state.update({name: t.to(device) if isinstance(t, torch.Tensor) and not t.is_meta and device.type != "cpu"
                   else t for name, t in program.constants.items()})
+    state.update({name: real for name, real in real_buffers.items() if name in program.constants})
     inputs, user_index = [], 0
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
     for spec in gs.input_specs:
