@@ -92,6 +92,8 @@ SLOW = {
         "test_a_norm_across_heads_keeps_q_and_k_column_sharded[spelled-2]",
         "test_a_norm_across_heads_keeps_q_and_k_column_sharded[spelled-3]",
         "test_negative_control_a_norm_without_its_reduction_is_wrong",),
+    "test_time_to_first_step": ("test_first_step_line_is_logged_with_its_parts",
+        "test_partition_stays_near_export_time", "test_repeated_blocks_take_an_identical_blocks_values",),
     "test_tp_numerics": ("test_h3_every_rank_matches_single_device",),
     "test_tp_sequence": ("test_rows_another_axis_splits_are_not_reshaped_for_tp_alone",
         "test_rows_sharded_between_tp_regions_are_exact",),
