@@ -21,9 +21,10 @@ import torch
 from ..errors import InputError
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3
 from .zoo_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
-                         cogvideox_inputs, cogview4_inputs, flux2_inputs, flux_inputs, hidream_inputs, hunyuan_video_inputs,
-                         kandinsky5_inputs, ltx_video_inputs, lumina2_inputs, minimax_h3_inputs, mochi_inputs,
-                         pixart_inputs, qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs, wan_vace_inputs)
+                         cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs, hidream_inputs,
+                         hunyuan_video_inputs, kandinsky5_inputs, ltx_video_inputs, lumina2_inputs, minimax_h3_inputs,
+                         mochi_inputs, pixart_inputs, qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs,
+                         wan_vace_inputs)
 
 __all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs"]
 
@@ -245,6 +246,14 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         fill_zeros=True, make_inputs=kandinsky5_inputs,
         notes=("eager ok; export ok. Channels-last latents, a text encoder of its own blocks, self- and "
                "cross-attention over video rows. full from memory (Kandinsky 5.0 Video Lite, uncertain).")),
+    ZooModel(
+        "easyanimate", "EasyAnimateTransformer3DModel",
+        tiny=dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, patch_size=2,
+                  sample_width=8, sample_height=4, num_layers=2, mmdit_layers=2, time_embed_dim=32, text_embed_dim=32),
+        full=dict(in_channels=16, out_channels=16, patch_size=2),  # EasyAnimate V5.1 12B: the class defaults
+        fill_zeros=True, make_inputs=easyanimate_inputs,
+        notes=("eager ok; export ok. MMDiT video blocks (text and video rows in one joint attention). full: the "
+               "class defaults with 16 latent channels (EasyAnimate V5.1 12B, from memory).")),
 ]}
 
 
@@ -281,6 +290,7 @@ PIPELINE_SIZES: dict[str, dict[str, dict]] = {
     "chronoedit": {"720p 5f": dict(text=512, pad=487, frames=2, height=90, width=160, image_rows=257)},
     "wan_vace": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104)},
     "kandinsky5": {"768x512 121f": dict(text=256, frames=31, height=64, width=96)},
+    "easyanimate": {"672x384 49f": dict(text=256, frames=13, height=48, width=84)},
 }
 
 

@@ -307,3 +307,11 @@ def kandinsky5_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: int
                     timestep=_timestep(g), pooled_projections=_randn(g, 1, config["in_text_dim2"]),
                     visual_rope_pos=[torch.arange(frames), torch.arange(height // ph), torch.arange(width // pw)],
                     text_rope_pos=torch.arange(text), scale_factor=(1.0, 1.0, 1.0))
+
+
+def easyanimate_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: int = 2, height: int = 4,
+                       width: int = 8):
+    """EasyAnimatePipeline (text-to-video): latent video, Qwen2-VL rows (no mask passed), t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                    encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]))
