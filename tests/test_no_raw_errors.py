@@ -161,3 +161,17 @@ def test_a_trace_clean_up_that_fails_raw_is_an_invariant_error(monkeypatch):
     message = str(caught.value)
     assert message.startswith("trace (the exported graph's clean-up) failed at "), message
     assert "IndexError: a clean-up bug" in message, message
+
+
+def test_an_inductor_compilation_that_fails_raw_is_a_backend_error(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    from partitioner.backends import inductor
+
+    def raw(*args, **kwargs):
+        raise RuntimeError("an inductor bug")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", raw)
+    run = inductor.lower(torch.fx.symbolic_trace(nn.Linear(2, 2)), regional=False)
+    with pytest.raises(BackendError, match="lowering to backend 'inductor' failed: RuntimeError: an inductor bug"):
+        run(torch.randn(1, 2))
