@@ -7,6 +7,8 @@ input, dimension or degree at fault and end with what to do.
 
 from __future__ import annotations
 
+import contextlib
+
 
 class PartitionerError(Exception):
     """Base of every error raised on purpose by partitioner."""
@@ -78,3 +80,42 @@ class PartitionWarning(UserWarning):
 
 class VerificationError(PartitionerError, AssertionError):
     """``Partitioned.verify`` found a value that differs from the unpartitioned model."""
+
+
+# ---- a failure inside our own steps, named where it happened ----
+
+def where_it_failed(error: BaseException) -> str:
+    """The graph node the innermost frame of ``error``'s traceback was working on (a local that is an fx Node),
+    with its op and the model's source line: '' when no frame held one."""
+    from torch.fx import Node
+
+    from .frontend.trace import source_line
+
+    node, tb = None, error.__traceback__
+    while tb is not None:
+        candidates = [v for v in tb.tb_frame.f_locals.values() if isinstance(v, Node)]
+        local = tb.tb_frame.f_locals.get("node")
+        node = local if isinstance(local, Node) else candidates[0] if candidates else node
+        tb = tb.tb_next
+    if node is None:
+        return ""
+    op = getattr(node.target, "__name__", str(node.target))
+    return f" at {node.name} ({op}, from {source_line(node)})"
+
+
+@contextlib.contextmanager
+def our_step(step: str, error_type=None):
+    """A failure inside one of our own steps (a pass, a trace clean-up, a backend's lowering) is a bug of ours or a
+    graph it cannot take, never a raw builtin from deep inside: ``error_type`` (default ``InvariantError``) naming
+    the step, the node it was on, its op and the model's source line. Errors raised on purpose pass through."""
+    try:
+        yield
+    except PartitionerError:
+        raise
+    except Exception as error:
+        if error_type is None:
+            raise InvariantError(f"{step} failed{where_it_failed(error)}: {type(error).__name__}: "
+                                 f"{str(error)[:500]}. This is a bug in partitioner; the graph before the pass is "
+                                 "dumped with partition(..., dump_dir=...)") from error
+        raise error_type(f"{step} failed{where_it_failed(error)}: {type(error).__name__}: "
+                         f"{str(error)[:500]}") from error

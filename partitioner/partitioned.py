@@ -15,7 +15,7 @@ import torch
 
 from . import backends
 from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
-                     PartitionError, VerificationError)
+                     PartitionError, VerificationError, our_step)
 from .frontend.padding import parse_buckets
 from .frontend.trace import Traced, copy_graph_module, trace
 from .mesh import MeshSpec
@@ -255,8 +255,9 @@ class Partitioned:
                                    "rank programs (a DeviceMesh, or programs='rank'); partition with the mesh as axis "
                                    f"sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
             self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
-            return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
-                                **options), self.whole_tensors
+            with our_step(f"lowering to backend {backend!r}", BackendError):
+                return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
+                                    **options), self.whole_tensors
         if not self.mesh.runnable:
             raise BackendError(f"this partition was planned on axis sizes ({self.mesh}); to run it with {backend!r}, "
                                "partition with a DeviceMesh on initialised process groups")
@@ -265,8 +266,9 @@ class Partitioned:
         if len(devices) > 1:
             raise BackendError(f"this rank's tensors are on several devices {sorted(map(str, devices))}")
         place_graph_on(self.graph_module, devices.pop() if devices else self.mesh.device)
-        return chosen.lower(self.graph_module, mesh=self.mesh, collectives=self.collective_counts(),
-                            **options), self.rank_tensors
+        with our_step(f"lowering to backend {backend!r}", BackendError):  # never a raw builtin from the backend
+            return chosen.lower(self.graph_module, mesh=self.mesh, collectives=self.collective_counts(),
+                                **options), self.rank_tensors
 
     def whole_tensors(self) -> list[torch.Tensor]:
         """The model's whole tensors in program order, on the CPU (what a backend that drives every device takes);

@@ -20,6 +20,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from ..errors import BackendError, our_step
 from ..passes.regions import repeated_block, runs_of_blocks
 from .base import Backend, register
 
@@ -86,7 +87,8 @@ class _Interpreter(torch.fx.Interpreter):
             submodule = self.fetch_attr(target)
             key = _structure_key(submodule, args)
             if key not in self.by_key:
-                self.by_key[key] = _compile(submodule, list(args))
+                with our_step(f"lowering to backend 'inductor' ({target})", BackendError):  # at its first call
+                    self.by_key[key] = _compile(submodule, list(args))
                 self.stats.compilations += 1
             self.stats.reused[key] = self.stats.reused.get(key, 0) + 1
             self.compiled[target] = self.by_key[key]
@@ -102,7 +104,8 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
 
         def run_whole(*args):
             if not compiled:
-                compiled.append(_compile(gm, list(args)))
+                with our_step("lowering to backend 'inductor'", BackendError):  # at the first call
+                    compiled.append(_compile(gm, list(args)))
                 stats.regions = stats.compilations = 1
             return compiled[0](*args)
 

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
-from ..errors import TraceError
+from ..errors import TraceError, our_step
 from .value_specialization import ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward, specializable
 
 
@@ -431,10 +431,10 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = lazy_code(program.graph_module)
-    inline_plain_autocast(gm, owner, on_meta=any(p.is_meta for p in model.parameters()))
-    clean_export_graph(gm)
-    inputs = _inline_constant_arguments(gm, inputs, constant_args)
-    inputs = slice_constant_runs(gm, inputs, state)
+    with our_step("trace (the exported graph's clean-up)"):
+        inline_plain_autocast(gm, owner, on_meta=any(p.is_meta for p in model.parameters()))
+        clean_export_graph(gm)
+        inputs = slice_constant_runs(gm, _inline_constant_arguments(gm, inputs, constant_args), state)
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds,

@@ -6,7 +6,8 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
   consumers. A row-wise linear's bias is moved after the reduction, so it is added once, not once per rank.
 - Partial -> Shard, when every consumer wants the same ``Shard`` or ``InnerShard`` (``plan_tp_sequence``'s rows):
-  ``collectives.reduce_scatter_start`` and ``_wait``, the bias moved after it likewise.
+  ``collectives.reduce_scatter_start`` and ``_wait``, the bias moved after it likewise: whole where the sum's
+  rows are split, this rank's slice of it where its features are (else the sum is all-reduced, then sliced).
 - an ``InnerShard`` (tp's rows inside a sequence axis's shard) is sliced after every other axis, gathered before.
 - Shard -> Replicate: ``collectives.all_gather_start`` and ``_wait`` (uneven shards padded to the largest, then
   trimmed). A collective issued by one node and waited on by another (these, all_reduce, all_to_all) lets
@@ -48,16 +49,37 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
     node.meta["required"] = {other: {n: n.meta["placements"][other] for n in node.all_input_nodes}
                              for other in like.meta["placements"] if other != axis}
     node.meta["required"][axis] = required
-    if "nn_module_stack" in like.meta:
-        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    for key in ("nn_module_stack", "stack_trace"):  # an error or a dump at this node names the model's line
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
     if collective:
         node.meta["collective"] = (collective, axis)
     return node
 
 
+def _has_bias(node: Node) -> bool:
+    return node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None
+
+
+def _splits_features(linear: Node, placement) -> bool:
+    """Whether ``placement`` of a linear's output splits its last dim: the features its bias spans."""
+    return is_sharded(placement) and placement.dim % len(linear.meta["val"].shape) == len(linear.meta["val"].shape) - 1
+
+
+def _bias_sliced_alike(linear: Node, placement, axis: str) -> bool:
+    """Whether the bias can meet a sum split as ``placement``: split along rows it broadcasts whole; split along
+    its features, only a plain ``Shard`` that no other axis nests with is sliced alike (the same length split
+    over the same ranks); otherwise the sum is reduced whole first (decided by the placements, never a size)."""
+    if not _has_bias(linear) or not _splits_features(linear, placement):
+        return True
+    others = [p for other, p in linear.meta["placements"].items() if other != axis]
+    return isinstance(placement, Shard) and not any(_splits_features(linear, p) for p in others)
+
+
 def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Node:
     """linear(x, W_shard, b) summed over ranks would add b once per rank: add it once after the sum (``placement``:
-    the sum's, a bias has no rows to shard)."""
+    the sum's). A sum split along rows meets the whole bias; one split along the features this rank's slice of it
+    (``_bias_sliced_alike``), which the redistribution below cuts."""
     bias = linear.args[2]
     linear.args = linear.args[:2]
     for requirements in linear.meta["required"].values():
@@ -65,7 +87,8 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Nod
     graph = linear.graph
     with graph.inserting_after(reduced):
         added = graph.call_function(aten.add.Tensor, (reduced, bias))
-    return _annotate(added, linear, axis, placement, {reduced: placement, bias: R})
+    sliced = Shard(0) if _splits_features(linear, placement) else R
+    return _annotate(added, linear, axis, placement, {reduced: placement, bias: sliced})
 
 
 def rekey(user: Node, old: Node, new: Node) -> None:
@@ -90,7 +113,7 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
     """``summed``, the producer's sum over ``axis`` (placed ``placement``), is what its users read; a row-wise
     linear's bias is added once, after the sum."""
     result = summed
-    if producer.target is aten.linear.default and len(producer.args) > 2 and producer.args[2] is not None:
+    if _has_bias(producer):
         result = _move_bias_after(producer, summed, axis, placement)
     for user in users:
         user.replace_input_with(producer, result)
@@ -259,7 +282,7 @@ def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
                 if isinstance(producer.meta["placements"][axis], Partial) and required is not None \
                         and not isinstance(required, (tuple, Partial)):
                     scattered = _scattered_as(producer, axis)
-                    if scattered is not None:
+                    if scattered is not None and _bias_sliced_alike(producer, scattered, axis):
                         _reduce_scatter(producer, scattered, axis, ctx)
                     else:
                         _all_reduce(producer, axis, ctx)

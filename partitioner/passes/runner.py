@@ -16,10 +16,9 @@ import gc
 import logging
 import time
 
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from ..errors import InvariantError, PartitionerError
-from ..frontend.trace import source_line
+from ..errors import InvariantError, our_step, where_it_failed  # noqa: F401 (where_it_failed: re-exported)
 
 log = logging.getLogger("partitioner")
 
@@ -30,16 +29,10 @@ def run_passes(gm: GraphModule, ctx, passes, dump) -> GraphModule:
         if missing:
             raise InvariantError(f"pass {step.name} requires {missing} to have run first")
         start = time.perf_counter()
-        try:
+        with our_step(f"pass {step.name}"):  # a bug of ours: say where, never a raw builtin from inside a pass
             gm = step.run(gm, ctx)
             gm.graph.lint()
             step.check(gm, ctx)
-        except PartitionerError:
-            raise
-        except Exception as error:  # a bug of ours: say where, never a raw builtin from deep inside a pass
-            raise InvariantError(f"pass {step.name} failed{where_it_failed(error)}: {type(error).__name__}: "
-                                 f"{str(error)[:500]}. This is a bug in partitioner; the graph before the pass is "
-                                 "dumped with partition(..., dump_dir=...)") from error
         _record_placed_by(gm, step.name)
         ctx.pass_seconds[step.name] = time.perf_counter() - start
         log.info("%s: %.2f s, %d nodes", step.name, ctx.pass_seconds[step.name], len(gm.graph.nodes))
@@ -76,19 +69,3 @@ def _record_placed_by(gm: GraphModule, pass_name: str) -> None:
         placed_by = node.meta.setdefault("placed_by", {})
         for axis in node.meta.get("placements", {}):
             placed_by.setdefault(axis, pass_name)
-
-
-def where_it_failed(error: BaseException) -> str:
-    """The graph node the innermost frame of ``error``'s traceback was working on (a local that is an fx Node),
-    with its op and the model's source line: '' when no frame held one."""
-    node, tb = None, error.__traceback__
-    while tb is not None:
-        candidates = [v for v in tb.tb_frame.f_locals.values() if isinstance(v, Node)]
-        local = tb.tb_frame.f_locals.get("node")
-        node = local if isinstance(local, Node) else candidates[0] if candidates else node
-        tb = tb.tb_next
-    if node is None:
-        return ""
-    op = getattr(node.target, "__name__", str(node.target))
-    return f" at {node.name} ({op}, from {source_line(node)})"
-

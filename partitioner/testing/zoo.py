@@ -6,7 +6,7 @@ Tiny configs share one shape budget so that every model exercises the same shard
 block type, 4+ heads of 8-16 dims (2-way tensor and sequence parallel both split heads), about 16 image/video tokens
 and 6-8 text tokens, batch 1. ``notes`` records what was observed with diffusers 0.42.1 and torch 2.13 (CPU): eager
 run, ``torch.export.export(..., strict=False)``, and the full config's parameter count. ``python -m
-partitioner.testing.zoo`` re-checks all of it.
+partitioner.testing.zoo_check`` re-checks all of it.
 
 Each model's ``make_inputs(config, seed=0, **sizes)`` is in ``zoo_inputs`` (an unknown size is a ``TypeError``).
 """
@@ -20,9 +20,11 @@ import torch
 
 from ..errors import InputError
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3
-from .zoo_inputs import (allegro_inputs, auraflow_inputs, cogvideox_inputs, cogview4_inputs, flux2_inputs, flux_inputs,
-                         hidream_inputs, hunyuan_video_inputs, ltx_video_inputs, lumina2_inputs, minimax_h3_inputs,
-                         mochi_inputs, pixart_inputs, qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs)
+from .zoo_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
+                         cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs, hidream_inputs,
+                         hunyuan_video_inputs, kandinsky5_inputs, ltx_video_inputs, lumina2_inputs, minimax_h3_inputs,
+                         mochi_inputs, pixart_inputs, qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs,
+                         wan_vace_inputs)
 
 __all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs"]
 
@@ -35,6 +37,9 @@ class ZooModel:
     full: dict | None  # config kwargs of the production-size model (for meta-device tracing), None if unknown
     make_inputs: Callable  # (config, seed=0, **sizes) -> (args, kwargs) of CPU tensors
     notes: str = ""
+    # the tiny model's all-zero parameters (zero-initialised gates and modulations) drawn at random instead, so
+    # that the paths behind them count in the output the tests compare
+    fill_zeros: bool = False
 
 
 # --- configs ----------------------------------------------------------------------------------------------------------
@@ -192,6 +197,63 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         full=dict(),  # MiniMax-H3: the class defaults
         make_inputs=minimax_h3_inputs,
         notes="eager ok; export ok. full 33.12B params (MiniMax-H3 = the class defaults)."),
+    # --- added in issue 34 ---
+    ZooModel(
+        "chroma", "ChromaTransformer2DModel",
+        tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=_ROPE16, approximator_num_channels=16,
+                  approximator_hidden_dim=32, approximator_layers=2),
+        full=dict(),  # Chroma1-HD: the class defaults
+        fill_zeros=True, make_inputs=chroma_inputs,
+        notes=("eager ok; export ok. Flux's blocks, modulation from a timestep MLP (the approximator) instead of "
+               "per-block linears, a joint text + image mask. full 8.9B params (Chroma1-HD = the class defaults).")),
+    ZooModel(
+        "bria", "BriaTransformer2DModel",
+        tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=list(_ROPE16)),
+        full=dict(num_layers=8, num_single_layers=28),  # BRIA 3.2, from memory (uncertain): Flux's blocks, fewer
+        fill_zeros=True, make_inputs=bria_inputs,
+        notes="eager ok; export ok. Flux-like, no pooled text or guidance. full config from memory (uncertain)."),
+    ZooModel(
+        "skyreels_v2", "SkyReelsV2Transformer3DModel",
+        tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2),
+        full=dict(num_attention_heads=40, ffn_dim=13824, num_layers=40),  # SkyReels-V2 14B (Wan 14B's sizes)
+        fill_zeros=True, make_inputs=wan_inputs,
+        notes=("eager ok; export ok. Wan's blocks; one timestep for the video (the diffusion-forcing timestep per "
+               "frame is item 4 of issue 34). full: Wan 2.1 14B's sizes, from memory.")),
+    ZooModel(
+        "chronoedit", "ChronoEditTransformer3DModel",
+        tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=12, out_channels=4,
+                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, image_dim=16, added_kv_proj_dim=64),
+        full=dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120),  # ChronoEdit-14B (Wan 2.1 I2V 14B)
+        fill_zeros=True, make_inputs=chronoedit_inputs,
+        notes=("eager ok; export ok. Wan image-to-video: latents + mask + image latents on channels, CLIP image "
+               "rows attended beside the text. full from memory (Wan 2.1 I2V 14B's sizes).")),
+    ZooModel(
+        "wan_vace", "WanVACETransformer3DModel",
+        tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+                  text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, vace_layers=[0, 1], vace_in_channels=12),
+        full=dict(),  # Wan 2.1 VACE 14B: the class defaults
+        fill_zeros=True, make_inputs=wan_vace_inputs,
+        notes=("eager ok; export ok. A control branch (VACE blocks on the control video) adding hints into the "
+               "main blocks. full: the class defaults (Wan 2.1 VACE 14B).")),
+    ZooModel(
+        "kandinsky5", "Kandinsky5Transformer3DModel",
+        tiny=dict(in_visual_dim=4, in_text_dim=32, in_text_dim2=16, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
+                  model_dim=64, ff_dim=128, num_text_blocks=1, num_visual_blocks=2, axes_dims=_ROPE16),
+        full=dict(in_visual_dim=16, out_visual_dim=16, model_dim=1792, ff_dim=7168),  # Kandinsky 5.0 Lite, memory
+        fill_zeros=True, make_inputs=kandinsky5_inputs,
+        notes=("eager ok; export ok. Channels-last latents, a text encoder of its own blocks, self- and "
+               "cross-attention over video rows. full from memory (Kandinsky 5.0 Video Lite, uncertain).")),
+    ZooModel(
+        "easyanimate", "EasyAnimateTransformer3DModel",
+        tiny=dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, patch_size=2,
+                  sample_width=8, sample_height=4, num_layers=2, mmdit_layers=2, time_embed_dim=32, text_embed_dim=32),
+        full=dict(in_channels=16, out_channels=16, patch_size=2),  # EasyAnimate V5.1 12B: the class defaults
+        fill_zeros=True, make_inputs=easyanimate_inputs,
+        notes=("eager ok; export ok. MMDiT video blocks (text and video rows in one joint attention). full: the "
+               "class defaults with 16 latent channels (EasyAnimate V5.1 12B, from memory).")),
 ]}
 
 
@@ -222,6 +284,13 @@ PIPELINE_SIZES: dict[str, dict[str, dict]] = {
                                                                                          width=166)},
     "allegro": {"720p 88f": dict(text=512, pad=491, frames=22, height=90, width=160)},
     "minimax_h3": {"768p 124f": dict(text=178, video=37198, audio=512)},  # 37888 packed rows
+    "chroma": {"1024x1024": dict(text=512, pad=493, height=128, width=128)},
+    "bria": {"1024x1024": dict(text=128, height=128, width=128)},
+    "skyreels_v2": {"540p 97f": dict(text=512, pad=487, frames=25, height=68, width=120)},
+    "chronoedit": {"720p 5f": dict(text=512, pad=487, frames=2, height=90, width=160, image_rows=257)},
+    "wan_vace": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104)},
+    "kandinsky5": {"768x512 121f": dict(text=256, frames=31, height=64, width=96)},
+    "easyanimate": {"672x384 49f": dict(text=256, frames=13, height=48, width=84)},
 }
 
 
@@ -262,7 +331,13 @@ def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") 
             with torch.device("meta"):
                 return cls(**entry.full).eval()
         torch.manual_seed(0)
-        return cls(**entry.tiny).to(device).eval()
+        model = cls(**entry.tiny)
+        if entry.fill_zeros:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    if not parameter.any():
+                        parameter.normal_(std=0.1)
+        return model.to(device).eval()
     finally:
         torch.set_default_dtype(previous)
 
@@ -272,110 +347,5 @@ def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
     return ZOO[name].make_inputs(config(name), seed, **sizes)
 
 
-# --- self-check ------------------------------------------------------------------------------------------------------
-
-def _first_tensor(out):
-    """The sample tensor of a model output (ModelOutput, tuple or tensor)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    return _first_tensor(out[0])
-
-
-def _params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _human(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-
-
-def check(name: str) -> dict:
-    """Eager (finite, deterministic across two calls), ``torch.export`` (strict=False) and the full param count."""
-    import time
-
-    start, result = time.perf_counter(), {}
-    model = build(name)
-    args, kwargs = inputs(name)
-    result["tiny_params"], first = _params(model), None
-    try:
-        with torch.no_grad():
-            first, second = _first_tensor(model(*args, **kwargs)), _first_tensor(model(*args, **kwargs))
-        ok = bool(torch.isfinite(first).all()) and torch.equal(first, second)
-        result["eager"] = f"ok {tuple(first.shape)}" if ok else "not finite or not deterministic"
-    except Exception as e:  # noqa: BLE001  (a report, not a test)
-        result["eager"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    try:
-        with torch.no_grad():
-            program = torch.export.export(model, args, kwargs, strict=False)
-            exported = _first_tensor(program.module()(*args, **kwargs))
-        if first is None:
-            result["export"] = "ok (no eager output to compare)"
-        else:
-            same = torch.allclose(exported, first, rtol=1e-4, atol=1e-5)
-            result["export"] = "ok" if same else "exported, but its output differs from eager"
-    except Exception as e:  # noqa: BLE001
-        result["export"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    try:
-        result["full_params"] = _human(_params(build(name, full=True))) if ZOO[name].full is not None else "-"
-    except Exception as e:  # noqa: BLE001
-        result["full_params"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    result["seconds"] = time.perf_counter() - start
-    return result
-
-
-if __name__ == "__main__":
-    import sys
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    names = sys.argv[1:] or list(ZOO)
-    print(f"{'model':<14} {'eager':<24} {'tiny':>7} {'full':>7} {'sec':>5}  export")
-    for name in names:
-        r = check(name)
-        print(f"{name:<14} {r['eager'][:24]:<24} {_human(r['tiny_params']):>7} {r['full_params']:>7} "
-              f"{r['seconds']:5.1f}  {r['export'][:160]}", flush=True)
-
-
-# ---- one zoo model partitioned on one mesh, on every rank (the zoo test and benchmarks/zoo.py) ----
-
-MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
-
-
-def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple, sizes: dict | None = None) -> dict:
-    """Partition zoo model ``name`` (inputs of ``sizes``, default the builder's) on a ``shape``/``names``
-    DeviceMesh of the running ranks and compare this rank's output with the unpartitioned model's:
-    ``{"status": "exact" | "refused", ...}`` with the error, the refusal's class and message, the replicated share
-    of parameter bytes, collectives, attentions sequence-sharded over every sequence axis and seconds spent
-    partitioning."""
-    import time
-    import warnings
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .. import partition
-    from ..errors import PartitionerError
-
-    model, (args, kwargs) = build(name), inputs(name, **(sizes or {}))
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    start = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            partitioned = partition(model, mesh, (args, kwargs))
-        seconds = time.perf_counter() - start
-        got = _first_tensor(partitioned.compile()(*args, **kwargs))
-    except PartitionerError as error:
-        return dict(status="refused", error_type=type(error).__name__,
-                    message=" ".join(str(error).splitlines()[:2])[:500])
-    with torch.no_grad():
-        expected = _first_tensor(model(*args, **kwargs))
-    scale = expected.abs().max().item() or 1.0
-    report = partitioned.report()
-    sharded, total = report.attentions_sharded or (0, len(partitioned.ctx.sequence_attention))
-    return dict(status="exact" if (got - expected).abs().max().item() <= 1e-5 * max(scale, 1.0) else "wrong",
-                error=(got - expected).abs().max().item(), scale=scale, replicated=report.replicated_share,
-                collectives={f"{kind}:{axis}": n for (kind, axis), n in partitioned.collective_counts().items()},
-                attention_sharded=sharded, attentions=total, seconds=seconds,
-                unsharded=dict(partitioned.ctx.sequence_whole))
+# the checks live in zoo_check (which imports this module): re-exported for the tests and benchmarks
+from .zoo_check import MODES, _first_tensor, check, partition_case  # noqa: E402

@@ -236,3 +236,82 @@ def minimax_h3_inputs(config: dict, seed: int = 0, *, text: int = 6, video: int 
                       timesteps: int = 2):
     """MiniMax-H3's packed text/video/audio rows (``partitioner.testing.models.h3_inputs``); 28 rows by default."""
     return (), h3_inputs(config, text=text, video=video, audio=audio, timesteps=timesteps, seed=seed)
+
+
+# --- added for issue 34: models the zoo did not have --------------------------------------------------------------
+
+def chroma_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, height: int = 8, width: int = 8):
+    """ChromaPipeline: packed latents, zero txt_ids, t/1000 (no pooled text, no guidance: Chroma's approximator
+    makes the modulation from the timestep alone), and the T5 mask extended with ones over the image rows
+    (``_prepare_attention_mask``), bool."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 2, width // 2
+    mask = torch.cat([_text_mask(text, pad, torch.bool), torch.ones(1, h * w, dtype=torch.bool)], dim=1)
+    return (), dict(hidden_states=_randn(g, 1, h * w, config["in_channels"]),
+                    encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
+                    timestep=_timestep(g, 1.0), img_ids=_flux_ids(h, w), txt_ids=torch.zeros(text, 3),
+                    attention_mask=mask)
+
+
+def bria_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
+    """BriaPipeline: packed latents, zero text ids and Flux's image ids (batch dim dropped, as the pipeline does),
+    t in [0, 1000), no pooled text."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 2, width // 2
+    return (), dict(hidden_states=_randn(g, 1, h * w, config["in_channels"]),
+                    encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]), timestep=_timestep(g),
+                    img_ids=_flux_ids(h, w), txt_ids=torch.zeros(text, 3))
+
+
+def chronoedit_inputs(config: dict, seed: int = 0, *, text: int = 512, pad: int = 505, frames: int = 2,
+                      height: int = 4, width: int = 8, image_rows: int = 5):
+    """ChronoEditPipeline (Wan image-to-video): the latents concatenated on channels with the condition (a frame
+    mask, 1 on the input image's frame, and the image's latents), T5 rows with padding zeroed, CLIP image rows,
+    t in [0, 1000). The pipeline always pads the prompt to 512 rows: the model finds the image rows as the ones
+    before the last 512 (``transformer_chronoedit.py:92``), so ``text`` must be 512."""
+    if text != 512:
+        raise InputError(f"chronoedit: text={text}, but the model takes the last 512 rows as text (the pipeline's "
+                         "max_sequence_length); pass text=512 and choose pad")
+    g = torch.Generator().manual_seed(seed)
+    mask_channels = (config["in_channels"] - config["out_channels"]) // 2
+    mask = torch.zeros(1, mask_channels, frames, height, width)
+    mask[:, :, 0] = 1.0
+    condition = torch.cat([mask, _randn(g, 1, config["in_channels"] - config["out_channels"] - mask_channels,
+                                        frames, height, width)], dim=1)
+    latents = torch.cat([_randn(g, 1, config["out_channels"], frames, height, width), condition], dim=1)
+    prompt = _randn(g, 1, text, config["text_dim"]) * _text_mask(text, pad, torch.float32)[..., None]
+    return (), dict(hidden_states=latents, timestep=_timestep(g), encoder_hidden_states=prompt,
+                    encoder_hidden_states_image=_randn(g, 1, image_rows, config["image_dim"]))
+
+
+def wan_vace_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2, height: int = 4,
+                    width: int = 8):
+    """WanVACEPipeline: latent video, the conditioning latents (the control video's inactive and reactive latents
+    and its mask, ``vace_in_channels`` in all), one conditioning scale per VACE layer, T5 rows, t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = _randn(g, 1, text, config["text_dim"]) * _text_mask(text, pad, torch.float32)[..., None]
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                    encoder_hidden_states=prompt,
+                    control_hidden_states=_randn(g, 1, config["vace_in_channels"], frames, height, width),
+                    control_hidden_states_scale=torch.ones(len(config["vace_layers"])))
+
+
+def kandinsky5_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: int = 2, height: int = 4,
+                      width: int = 8):
+    """Kandinsky5T2VPipeline: channels-last latents (1, f, h, w, C), Qwen rows, pooled CLIP, t in [0, 1000), the
+    rotary positions as aranges per axis (patched sizes) and of the prompt's rows."""
+    g = torch.Generator().manual_seed(seed)
+    _, ph, pw = config["patch_size"]
+    return (), dict(hidden_states=_randn(g, 1, frames, height, width, config["in_visual_dim"]),
+                    encoder_hidden_states=_randn(g, 1, text, config["in_text_dim"]),
+                    timestep=_timestep(g), pooled_projections=_randn(g, 1, config["in_text_dim2"]),
+                    visual_rope_pos=[torch.arange(frames), torch.arange(height // ph), torch.arange(width // pw)],
+                    text_rope_pos=torch.arange(text), scale_factor=(1.0, 1.0, 1.0))
+
+
+def easyanimate_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: int = 2, height: int = 4,
+                       width: int = 8):
+    """EasyAnimatePipeline (text-to-video): latent video, Qwen2-VL rows (no mask passed), t in [0, 1000)."""
+    g = torch.Generator().manual_seed(seed)
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                    encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]))
