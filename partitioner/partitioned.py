@@ -329,7 +329,8 @@ def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, 
             if not retraced.values:  # no integer or boolean input it derives from
                 raise
             partitioned = partition_with(retraced)
-    partitioned.seconds["trace"] = traced_s
+    if isinstance(partitioned, Partitioned):  # (plan() partitions into its decision only)
+        partitioned.seconds["trace"] = traced_s
     return partitioned
 
 
