@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from ..errors import TraceError, our_step
+from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
 from .value_specialization import ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward, specializable
 
 
@@ -135,26 +136,6 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-class _MetaAutocastAsCpu(torch.autocast):
-    """``torch.autocast("meta", ...)`` (a model on the meta device asking for autocast on its own device, as
-    Mochi's rotary does) is unsupported; traced as CPU autocast, and checked by ``inline_plain_autocast``."""
-
-    def __init__(self, device_type, *args, **kwargs):
-        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _autocast_on_meta(model: torch.nn.Module):
-    if not any(p.is_meta for p in model.parameters()):
-        yield
-        return
-    original, torch.autocast = torch.autocast, _MetaAutocastAsCpu
-    try:
-        yield
-    finally:
-        torch.autocast = original
 
 
 def inline_plain_autocast(gm: torch.fx.GraphModule, owner: str, on_meta: bool = False) -> None:
@@ -300,39 +281,6 @@ def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         _erase_unread(gm, source)
 
 
-def _inputs_on_meta_for_meta_model(model: torch.nn.Module, named: dict) -> dict:
-    """A model built on the meta device (to be filled by ``load_weights``) traced with real example inputs, as a
-    pipeline hands them over: the trace needs only their shapes and dtypes, so they go to the meta device too."""
-    if not any(p.is_meta for p in model.parameters()):  # (buffers may be real: init_empty_weights keeps them)
-        return named
-    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), named)
-
-
-def _real_buffers_of_meta_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers that are not on meta of a model whose parameters are (accelerate's ``init_empty_weights`` keeps
-    buffers real, ``rope.inv_freq`` among them), by name."""
-    if not any(p.is_meta for p in model.parameters()):
-        return {}
-    return {name: b for name, b in model.named_buffers() if not b.is_meta}
-
-
-@contextlib.contextmanager
-def _buffers_on_meta(model: torch.nn.Module, real: dict[str, torch.Tensor]):
-    """``real`` buffers replaced by meta ones while the model is traced on meta inputs (a real buffer beside meta
-    parameters and inputs is a device mismatch); the trace's state takes the real values back."""
-    owners = []
-    for name, tensor in real.items():
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        owners.append((module, leaf, tensor))
-        module._buffers[leaf] = tensor.to("meta")
-    try:
-        yield
-    finally:
-        for module, leaf, tensor in owners:
-            module._buffers[leaf] = tensor
-
-
 def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor]):
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name).
     Returns the program and where the model read the values."""
@@ -341,7 +289,7 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
         contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
-        with replaced, _autocast_on_meta(model), torch.no_grad():
+        with replaced, autocast_on_meta(model), torch.no_grad():
             return torch.export.export(model, (), kwargs=named), shadow.reads
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -376,16 +324,16 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     leaves = pytree.tree_flatten_with_path(((), named))[0]
     names = [argument_name(path[1:]) for path, _ in leaves]
     values = {name: leaf for name, (_, leaf) in zip(names, leaves) if specializable(leaf)}  # before meta below
-    named = _inputs_on_meta_for_meta_model(model, named)
-    real_buffers = _real_buffers_of_meta_model(model)
+    named = inputs_on_meta(model, named)
+    real_buffers = real_buffers_of(model)
     try:
-        with _buffers_on_meta(model, real_buffers):
+        with buffers_on_meta(model, real_buffers):
             program, reads = _export(model, named, owner, values if specialize_values else {})
     except TraceError as error:
         if specialize_values or not values:
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
-            with _buffers_on_meta(model, real_buffers):
+            with buffers_on_meta(model, real_buffers):
                 program, reads = _export(model, named, owner, values)
         except TraceError as again:
             why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
