@@ -37,9 +37,6 @@ class ZooModel:
     full: dict | None  # config kwargs of the production-size model (for meta-device tracing), None if unknown
     make_inputs: Callable  # (config, seed=0, **sizes) -> (args, kwargs) of CPU tensors
     notes: str = ""
-    # the tiny model's all-zero parameters (zero-initialised gates and modulations) drawn at random instead, so
-    # that the paths behind them count in the output the tests compare
-    fill_zeros: bool = False
 
 
 # --- configs ----------------------------------------------------------------------------------------------------------
@@ -204,7 +201,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                   num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=_ROPE16, approximator_num_channels=16,
                   approximator_hidden_dim=32, approximator_layers=2),
         full=dict(),  # Chroma1-HD: the class defaults
-        fill_zeros=True, make_inputs=chroma_inputs,
+        make_inputs=chroma_inputs,
         notes=("eager ok; export ok. Flux's blocks, modulation from a timestep MLP (the approximator) instead of "
                "per-block linears, a joint text + image mask. full 8.9B params (Chroma1-HD = the class defaults).")),
     ZooModel(
@@ -212,14 +209,14 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         tiny=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                   num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=list(_ROPE16)),
         full=dict(num_layers=8, num_single_layers=28),  # BRIA 3.2, from memory (uncertain): Flux's blocks, fewer
-        fill_zeros=True, make_inputs=bria_inputs,
+        make_inputs=bria_inputs,
         notes="eager ok; export ok. Flux-like, no pooled text or guidance. full config from memory (uncertain)."),
     ZooModel(
         "skyreels_v2", "SkyReelsV2Transformer3DModel",
         tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                   text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2),
         full=dict(num_attention_heads=40, ffn_dim=13824, num_layers=40),  # SkyReels-V2 14B (Wan 14B's sizes)
-        fill_zeros=True, make_inputs=wan_inputs,
+        make_inputs=wan_inputs,
         notes=("eager ok; export ok. Wan's blocks; one timestep for the video (the diffusion-forcing timestep per "
                "frame is item 4 of issue 34). full: Wan 2.1 14B's sizes, from memory.")),
     ZooModel(
@@ -227,7 +224,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=12, out_channels=4,
                   text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, image_dim=16, added_kv_proj_dim=64),
         full=dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120),  # ChronoEdit-14B (Wan 2.1 I2V 14B)
-        fill_zeros=True, make_inputs=chronoedit_inputs,
+        make_inputs=chronoedit_inputs,
         notes=("eager ok; export ok. Wan image-to-video: latents + mask + image latents on channels, CLIP image "
                "rows attended beside the text. full from memory (Wan 2.1 I2V 14B's sizes).")),
     ZooModel(
@@ -235,7 +232,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         tiny=dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                   text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2, vace_layers=[0, 1], vace_in_channels=12),
         full=dict(),  # Wan 2.1 VACE 14B: the class defaults
-        fill_zeros=True, make_inputs=wan_vace_inputs,
+        make_inputs=wan_vace_inputs,
         notes=("eager ok; export ok. A control branch (VACE blocks on the control video) adding hints into the "
                "main blocks. full: the class defaults (Wan 2.1 VACE 14B).")),
     ZooModel(
@@ -243,7 +240,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         tiny=dict(in_visual_dim=4, in_text_dim=32, in_text_dim2=16, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
                   model_dim=64, ff_dim=128, num_text_blocks=1, num_visual_blocks=2, axes_dims=_ROPE16),
         full=dict(in_visual_dim=16, out_visual_dim=16, model_dim=1792, ff_dim=7168),  # Kandinsky 5.0 Lite, memory
-        fill_zeros=True, make_inputs=kandinsky5_inputs,
+        make_inputs=kandinsky5_inputs,
         notes=("eager ok; export ok. Channels-last latents, a text encoder of its own blocks, self- and "
                "cross-attention over video rows. full from memory (Kandinsky 5.0 Video Lite, uncertain).")),
     ZooModel(
@@ -251,7 +248,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         tiny=dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, patch_size=2,
                   sample_width=8, sample_height=4, num_layers=2, mmdit_layers=2, time_embed_dim=32, text_embed_dim=32),
         full=dict(in_channels=16, out_channels=16, patch_size=2),  # EasyAnimate V5.1 12B: the class defaults
-        fill_zeros=True, make_inputs=easyanimate_inputs,
+        make_inputs=easyanimate_inputs,
         notes=("eager ok; export ok. MMDiT video blocks (text and video rows in one joint attention). full: the "
                "class defaults with 16 latent channels (EasyAnimate V5.1 12B, from memory).")),
 ]}
@@ -318,7 +315,8 @@ def config(name: str, *, full: bool = False) -> dict:
 
 def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") -> torch.nn.Module:
     """``ZOO[name]`` in eval mode, float32. The tiny model is initialised on the CPU after ``torch.manual_seed(0)``
-    and then moved to ``device``, so its weights are the same whichever device it lands on. ``full=True`` builds
+    (its all-zero parameters drawn at random) and then moved to ``device``, so its weights are the same whichever
+    device it lands on. ``full=True`` builds
     the production config under ``torch.device("meta")`` (no memory, shapes only) and ignores ``device``.
     float32 comes from the default dtype during construction rather than a cast: diffusers warns on ``to(dtype)``."""
     entry, cls = ZOO[name], _cls(name)
@@ -332,11 +330,10 @@ def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") 
                 return cls(**entry.full).eval()
         torch.manual_seed(0)
         model = cls(**entry.tiny)
-        if entry.fill_zeros:
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    if not parameter.any():
-                        parameter.normal_(std=0.1)
+        with torch.no_grad():  # zero-initialised gates and modulations drawn at random: the paths behind them
+            for parameter in model.parameters():  # count in the output the tests compare
+                if not parameter.any():
+                    parameter.normal_(std=0.1)
         return model.to(device).eval()
     finally:
         torch.set_default_dtype(previous)
