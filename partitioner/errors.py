@@ -113,9 +113,8 @@ def our_step(step: str, error_type=None):
     except PartitionerError:
         raise
     except Exception as error:
+        message = f"{step} failed{where_it_failed(error)}: {type(error).__name__}: {str(error)[:500]}"
         if error_type is None:
-            raise InvariantError(f"{step} failed{where_it_failed(error)}: {type(error).__name__}: "
-                                 f"{str(error)[:500]}. This is a bug in partitioner; the graph before the pass is "
-                                 "dumped with partition(..., dump_dir=...)") from error
-        raise error_type(f"{step} failed{where_it_failed(error)}: {type(error).__name__}: "
-                         f"{str(error)[:500]}") from error
+            raise InvariantError(f"{message}. This is a bug in partitioner; the graph before the pass is dumped with "
+                                 "partition(..., dump_dir=...)") from error
+        raise error_type(message) from error

@@ -425,5 +425,4 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
     dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
     gm = traced.graph_module
     dump("export", gm, ctx)
-    with collector_skips_what_exists():
-        return ctx, run_passes(gm, ctx, PLAN, dump), dump
+    return ctx, run_passes(gm, ctx, PLAN, dump), dump

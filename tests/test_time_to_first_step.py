@@ -45,8 +45,13 @@ def test_repeated_blocks_take_an_identical_blocks_values(monkeypatch):
     expected = _propagate(copy_graph_module(gm), lambda g, m, i: FakeTensorProp(g, m).propagate_dont_convert_inputs(*i))
     copied = []
     run_node = regions._RepeatedBlockProp.run_node
-    monkeypatch.setattr(regions._RepeatedBlockProp, "run_node",
-                        lambda self, n: (copied.append(n) if n in self.copy_from else None, run_node(self, n))[1])
+
+    def recording(self, n):
+        if n in self.copy_from:
+            copied.append(n)
+        return run_node(self, n)
+
+    monkeypatch.setattr(regions._RepeatedBlockProp, "run_node", recording)
     assert _propagate(gm, regions.propagate_fake_values) == expected
     blocks = {regions.repeated_block(n) for n in copied}
     assert "transformer_blocks.0" not in blocks and {f"transformer_blocks.{i}" for i in range(1, 5)} <= blocks

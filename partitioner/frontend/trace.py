@@ -281,15 +281,16 @@ def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         _erase_unread(gm, source)
 
 
-def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor]):
-    """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name).
-    Returns the program and where the model read the values."""
+def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor],
+            real_buffers: dict[str, torch.Tensor]):
+    """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name);
+    ``real_buffers`` traced as meta ones. Returns the program and where the model read the values."""
     shadow = ValueShadow(type(model).__module__.split(".")[0])
     replaced = forward_replaced(model, shadowing_forward(model, shadow, values, argument_name)) if values else \
         contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
-        with replaced, autocast_on_meta(model), torch.no_grad():
+        with replaced, autocast_on_meta(model), buffers_on_meta(model, real_buffers), torch.no_grad():
             return torch.export.export(model, (), kwargs=named), shadow.reads
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -327,14 +328,12 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     named = inputs_on_meta(model, named)
     real_buffers = real_buffers_of(model)
     try:
-        with buffers_on_meta(model, real_buffers):
-            program, reads = _export(model, named, owner, values if specialize_values else {})
+        program, reads = _export(model, named, owner, values if specialize_values else {}, real_buffers)
     except TraceError as error:
         if specialize_values or not values:
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
-            with buffers_on_meta(model, real_buffers):
-                program, reads = _export(model, named, owner, values)
+            program, reads = _export(model, named, owner, values, real_buffers)
         except TraceError as again:
             why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
             raise TraceError(f"{error}\n(traced again for the values of {', '.join(values)}: {why})") \
@@ -359,13 +358,12 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
     state = dict(program.state_dict)
-    state.update({name: real for name, real in real_buffers.items() if name in state})
     # constants (tensors the model makes from literals, what value specialisation folded) live with the weights
     devices = {t.device for t in program.state_dict.values() if not t.is_meta}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
     state.update({name: t.to(device) if isinstance(t, torch.Tensor) and not t.is_meta and device.type != "cpu"
                   else t for name, t in program.constants.items()})
-    state.update({name: real for name, real in real_buffers.items() if name in program.constants})
+    state.update({name: real for name, real in real_buffers.items() if name in state})  # (traced as meta)
     inputs, user_index = [], 0
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
     for spec in gs.input_specs:

@@ -18,7 +18,7 @@ import time
 
 from torch.fx import GraphModule
 
-from ..errors import InvariantError, our_step, where_it_failed  # noqa: F401 (where_it_failed: re-exported)
+from ..errors import InvariantError, our_step
 
 log = logging.getLogger("partitioner")
 

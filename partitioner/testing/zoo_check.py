@@ -64,21 +64,6 @@ def check(name: str) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    import sys
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from .zoo import ZOO
-
-    names = sys.argv[1:] or list(ZOO)
-    print(f"{'model':<14} {'eager':<24} {'tiny':>7} {'full':>7} {'sec':>5}  export")
-    for name in names:
-        r = check(name)
-        print(f"{name:<14} {r['eager'][:24]:<24} {_human(r['tiny_params']):>7} {r['full_params']:>7} "
-              f"{r['seconds']:5.1f}  {r['export'][:160]}", flush=True)
-
-
 # ---- one zoo model partitioned on one mesh, on every rank (the zoo test and benchmarks/zoo.py) ----
 
 MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
@@ -122,3 +107,18 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple,
                 collectives={f"{kind}:{axis}": n for (kind, axis), n in partitioned.collective_counts().items()},
                 attention_sharded=sharded, attentions=total, seconds=seconds,
                 unsharded=dict(partitioned.ctx.sequence_whole))
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from .zoo import ZOO
+
+    names = sys.argv[1:] or list(ZOO)
+    print(f"{'model':<14} {'eager':<24} {'tiny':>7} {'full':>7} {'sec':>5}  export")
+    for name in names:
+        r = check(name)
+        print(f"{name:<14} {r['eager'][:24]:<24} {_human(r['tiny_params']):>7} {r['full_params']:>7} "
+              f"{r['seconds']:5.1f}  {r['export'][:160]}", flush=True)
