@@ -15,6 +15,7 @@ import torch
 from .errors import InputError, TraceError
 from .frontend.padding import pad_named, parse_buckets
 from .frontend.trace import Traced, bind_forward
+from .frontend.value_specialization import method_as_forward
 from .mesh import as_mesh_spec
 from .partitioned import Partitioned, _check_offline, build_agreed, decide, partition_traced, trace_and_partition
 from .passes.context import Overlap
@@ -45,7 +46,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
               timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
-              input_fingerprint: str = "sample") -> Partitioned:
+              input_fingerprint: str = "sample", method: str = "forward") -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -72,6 +73,9 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     values are compared between ranks: "sample" (default: a float64 weighted sum over a fixed sample of 4096 elements
     of each input tensor), "full" (a hash of every byte) or "off"; ranks called with other values raise
     ``InputError`` on every rank naming the inputs (``Partitioned.input_fingerprint`` changes it later).
+    ``method``: the model's method traced as the entry, "forward" by default; a VAE's "decode" or "encode" (then
+    ``example_inputs`` and every call are that method's arguments). Over a ring axis a convolutional network's
+    rows are split along height (``docs/vae.md``).
     """
     start = time.perf_counter()
     check_fingerprint(input_fingerprint)
@@ -91,10 +95,12 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
-                   input_fingerprint=input_fingerprint)
+                   input_fingerprint=input_fingerprint, method=method)
     if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
         options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
-    partitioned = build_agreed(build, spec, groups, options)
+    with method_as_forward(model, method):
+        partitioned = build_agreed(build, spec, groups, options)
+    partitioned.method = method
     partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
@@ -155,14 +161,16 @@ def mesh_with_groups(mesh, rank: int, timeout: float):
 
 
 def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
-         buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None) -> Plan:
+         buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None,
+         method: str = "forward") -> Plan:
     """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
     planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
     group) plans rank programs, axis sizes XLA's global program, exactly as ``partition`` does; no process group is
     used or created, nothing is compared between ranks, and no weights are needed (a meta model plans as well)."""
     spec, buckets = as_mesh_spec(mesh, rank), parse_buckets(buckets)
-    ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
-        traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
-        overlap=overlap)[0])
+    with method_as_forward(model, method):
+        ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
+            traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
+            overlap=overlap)[0])
     warn_whole_attentions(ctx)
     return Plan.of(ctx)

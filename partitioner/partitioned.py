@@ -18,6 +18,7 @@ from .errors import (BackendError, CheckpointError, DataDependentNumber, InputEr
                      PartitionError, VerificationError, our_step)
 from .frontend.padding import parse_buckets
 from .frontend.trace import Traced, copy_graph_module, trace
+from .frontend.value_specialization import method_as_forward
 from .mesh import MeshSpec
 from .passes import PLAN, TO_RANK, run_passes
 from .passes.context import Overlap, PassContext
@@ -51,6 +52,7 @@ class Partitioned:
         self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
         self.source = None  # weak reference to the model, for verify()
         self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
+        self.method = "forward"  # the model's method traced as the entry (a VAE's "decode")
         self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
         self._children: list = []  # weak references to shape specialisations, which load_weights updates too
@@ -131,7 +133,9 @@ class Partitioned:
                 self.model_config, self.model_dtype, self.skeleton, self.source
             return new
 
-        specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
+        with method_as_forward(self.skeleton, self.method):
+            specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
+        specialized.method = self.method
         specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
         self._children.append(weakref.ref(specialized))
         return specialized
@@ -219,7 +223,8 @@ class Partitioned:
         if model is None:
             raise VerificationError("verify compares with the model given to partition(), which is gone: keep a "
                                     "reference to it while verifying")
-        return verify(self, model, args, kwargs, rtol=rtol, atol=atol)
+        with method_as_forward(model, self.method):
+            return verify(self, model, args, kwargs, rtol=rtol, atol=atol)
 
     def report(self) -> Report:
         return build_report(self.graph_module, self.ctx)

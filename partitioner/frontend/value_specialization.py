@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import TraceError
+from ..errors import InputError, TraceError
 
 # Tensor methods answered from shape, dtype or device alone (properties too: ``__get__``), unless they return a
 # tensor (``x.T``, ``x.type(torch.float)``), which is then shadowed like any op's.
@@ -247,3 +247,18 @@ def forward_replaced(model: torch.nn.Module, forward):
 
 
 _NONE = object()
+
+
+@contextlib.contextmanager
+def method_as_forward(model: torch.nn.Module, method: str):
+    """``model.<method>`` as its forward inside the block: the traced entry (a VAE's ``decode`` or ``encode``), with
+    the model's own parameter names."""
+    if method == "forward":
+        yield
+        return
+    entry = getattr(model, method, None)
+    if not callable(entry) or method.startswith("_"):
+        raise InputError(f"{type(model).__name__} has no public method {method!r} to trace; give method= the name of "
+                         "one, e.g. 'decode'")
+    with forward_replaced(model, entry):
+        yield

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (annotate_heads, chunk_reductions, collective_kernels, gather_scatters, hoist_host, insert_collectives,
-               localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs,
+from . import (annotate_heads, chunk_reductions, collective_kernels, fold_conv_padding, gather_scatters, hoist_host,
+               insert_collectives, localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs,
                schedule_collectives)
 from .runner import run_passes
 
@@ -38,6 +38,8 @@ PLAN = (
          "input dims padded to a bucket are read only row by row and by indices checked against the real rows"),
     Pass("gather_scatters", gather_scatters.run, gather_scatters.check, ("pad_inputs",),
          "on a sequence-parallel mesh, a sequence built by index_copy is a gather of rows each rank can build alone"),
+    Pass("fold_conv_padding", fold_conv_padding.run, fold_conv_padding.check, (),
+         "a zero pad equal on both sides of a convolution's spatial dim is the convolution's own padding"),
     Pass("pointwise_convs", pointwise_convs.run, pointwise_convs.check, (),
          "every 1x1 convolution (stride 1, no padding, one group) is a linear over the channel dim"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),

@@ -7,6 +7,8 @@ Guarantees:
   ring inside it, its mask's key columns picked per block);
 - a convolution whose rows a sequence axis splits along a spatial dim is ``collectives.halo_convolution`` (each
   rank borrows the kernel's reach of rows from its two neighbours);
+- a group_norm over positions a sequence axis splits is ``collectives.sharded_group_norm`` (each group's
+  statistics combined across the ranks);
 - an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
   reads its mask in that order too.
 
@@ -37,6 +39,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _masks_in_rank_order(gm, ctx)
     _ring_attentions(gm, ctx)
     _halo_convolutions(gm, ctx)
+    _group_norms(gm, ctx)
     return gm
 
 
@@ -49,9 +52,10 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
                                              for axis in RING_AXES):
             raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
         if node.target in GROUPS_ARGUMENT and node.target is not collectives.halo_convolution:
-            x = node.args[0]
-            if any(is_sharded(p := required.get(axis, {}).get(x, R)) and p.dim >= 2 for axis in SEQUENCE_AXES):
+            if any(conv_arguments(node)[1][p.dim - 2] for p in _spatial_axes(node).values()):
                 raise InvariantError(f"{node.name}: a convolution over split rows is not a halo_convolution")
+        if node.target is aten.group_norm.default and _spatial_axes(node):
+            raise InvariantError(f"{node.name}: a group_norm over split positions is not a sharded_group_norm")
 
 
 
@@ -136,9 +140,7 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
             continue
-        x, required = node.args[0], node.meta["required"]
-        spatial = {axis: required[axis][x] for axis in SEQUENCE_AXES
-                   if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
+        x, spatial = node.args[0], _spatial_axes(node)
         if not spatial:
             continue
         dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]
@@ -147,6 +149,8 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
                                  f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
         (axis, placement), = spatial.items()
         stride, padding, dilation, _ = conv_arguments(node)
+        if padding[placement.dim - 2] == 0:  # a kernel of one row along the split dim: each rank's rows suffice
+            continue
         bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
         node.target = collectives.halo_convolution
         node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
@@ -154,3 +158,27 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
                      ctx.mesh.group_name(axis))
         node.kwargs = {}
         node.meta["collective"] = ("halo_exchange", axis)
+
+
+def _spatial_axes(node: Node) -> dict[str, object]:
+    """The sequence axes that split ``node``'s first input along a spatial dim (2 or later), with their placement."""
+    x, required = node.args[0], node.meta.get("required", {})
+    return {axis: required[axis][x] for axis in SEQUENCE_AXES
+            if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
+
+
+def _group_norms(gm: GraphModule, ctx: PassContext) -> None:
+    """A group_norm whose positions a sequence axis splits becomes ``collectives.sharded_group_norm``: each
+    group's count, mean and spread combined across that axis's ranks."""
+    for node in gm.graph.nodes:
+        if node.target is not aten.group_norm.default or not (spatial := _spatial_axes(node)):
+            continue
+        if len(spatial) > 1:
+            raise PartitionError(f"{node.name}: a group_norm over positions split by several axes {list(spatial)}")
+        (axis, _), = spatial.items()
+        args = list(node.args) + [None] * (5 - len(node.args))
+        eps = node.kwargs.get("eps", 1e-5 if args[4] is None else args[4])
+        node.target = collectives.sharded_group_norm
+        node.args = (args[0], args[1], args[2], args[3], eps, ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("all_reduce", axis)

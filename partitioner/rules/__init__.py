@@ -6,7 +6,8 @@
 - ``joins``: split, chunk, unbind, cat, stack, pad (the pieces of a packed layout);
 - ``indexing``: index_select, index_copy, slice/select scatters (functionalized slice assignment);
 - ``reductions``: sums, means, norms;
-- ``conv``: convolutions (batch, or channels in whole groups);
+- ``conv``: convolutions (batch, channels in whole groups, or rows by a halo exchange);
+- ``spatial``: group norms and nearest upsampling over images split along a spatial dim;
 - ``matmul``: matmul / bmm / mm (batch, row, column or contracted shards);
 - ``linear``: ``aten.linear`` per the planner's roles (tensor axis), row by row (sequence axis);
 - ``attention``: head-sharded attention, and the Ulysses exchange on a sequence axis;
@@ -20,7 +21,7 @@ A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decor
 
 from ..errors import PartitionError
 from . import (attention, collectives, conv, indexing, joins, linear, matmul,  # noqa: F401  (they register their rules)
-               reductions, views)
+               reductions, spatial, views)
 from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all,
                    rule_for, shape_of)
 from .pointwise import pointwise

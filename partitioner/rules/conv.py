@@ -1,8 +1,8 @@
 """Convolutions (the 1x1 ones are Linears by then: ``passes/pointwise_convs``). A convolution mixes its spatial
 dims through its kernel and, inside each group, its channels:
 - a sharded batch passes through (every sample is convolved alone);
-- over a sequence axis (ring, ulysses), rows of a spatial dim split evenly pass through a convolution that keeps
-  that dim's size (stride 1, padding half the kernel): ``insert_collectives`` makes it a
+- over a sequence axis (ring, ulysses), rows of a spatial dim split in order (evenly or not: a VAE's odd latent
+  height) pass through a convolution that keeps that dim's size (stride 1, padding half the kernel's reach): ``insert_collectives`` makes it a
   ``collectives.halo_convolution``, each rank borrowing the kernel's reach of rows from its two neighbours (Sana's
   3x3 depthwise convolution over an image whose rows Ulysses splits);
 - sharded channels pass through a grouped convolution that keeps its channel count (depthwise: Sana's 3x3 between
@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, Partial, is_sharded, shard_slices
+from ..placement import PackedShard, Partial, is_sharded, shard_slices, shard_widths
 from ..runtime import collectives
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, shape_of, with_dim
 
@@ -87,18 +87,22 @@ def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> D
 
 
 def _check_halo(node: Node, placement, axis_size: int) -> None:
-    """Rows of a spatial dim split evenly, each rank's output rows its input rows: a halo exchange serves it."""
+    """Rows of one spatial dim split in order (evenly or not, in any unit), each rank's output rows its input rows
+    (stride 1, padding the kernel's reach on each side): a halo exchange serves it, each rank holding at least the
+    reach its neighbours borrow."""
     dim, size = placement.dim, shape_of(node.args[0])[placement.dim]
     stride, padding, dilation, transposed = conv_arguments(node)
     kernel = shape_of(node.args[1])[dim]
     spatial = dim - 2
-    if isinstance(placement, PackedShard) or transposed or stride[spatial] != 1 or dilation[spatial] != 1 \
-            or 2 * padding[spatial] != kernel - 1:
+    reach = dilation[spatial] * (kernel - 1)
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or transposed or stride[spatial] != 1 \
+            or 2 * padding[spatial] != reach:
         raise Unshardable(f"convolution over the sharded spatial dim {dim} changes its rows (kernel {kernel}, "
                           f"stride {stride[spatial]}, padding {padding[spatial]}, dilation {dilation[spatial]})")
-    if size % axis_size or size // axis_size < padding[spatial]:
-        raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows do not split evenly over "
-                          f"{axis_size} ranks into at least {padding[spatial]} each (the kernel's reach)")
+    widths = shard_widths(placement, size, axis_size)
+    if min(widths) < padding[spatial]:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows split {widths} over "
+                          f"{axis_size} ranks, fewer than the kernel's reach of {padding[spatial]} on some rank")
 
 
 @register_factory(aten.conv1d.default, axis="sequence")

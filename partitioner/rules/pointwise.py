@@ -23,7 +23,7 @@ SIZE_ARGUMENT = {**{op: 1 for op in CREATION_FROM}, aten.zeros.default: 0, aten.
                  aten.full.default: 0, aten.empty.memory_format: 0}
 
 
-@register("pointwise", aten.copy.default)  # copy: self's shape, src's values broadcast into it
+@register("pointwise", aten.copy.default, aten.expand_as.default)  # copy, expand_as: the second operand's shape
 def pointwise(node: Node, placements, axis_size: int) -> Decision:
     """Broadcasting elementwise ops: every sharded input must agree on one output dim; replicated inputs that span
     that dim are sliced locally, broadcast ones (size 1 or missing) stay whole."""

@@ -29,6 +29,25 @@ def reduction(node: Node, placements, axis_size: int) -> Decision:
     return Decision(with_dim(placement, placement.dim - shift), decision.inputs)
 
 
+@register(aten.linalg_vector_norm.default)
+def vector_norm(node: Node, placements, axis_size: int) -> Decision:
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, a VAE's RMS norm over channels): fine unless the
+    sharded dim is one of the reduced dims."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement):
+        return decision
+    ndim = len(shape_of(source))
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
+    keepdim = node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False)
+    if placement.dim in dims:
+        raise Unshardable(f"linalg_vector_norm reduces over the sharded dim {placement.dim}")
+    return Decision(with_dim(placement, placement.dim - (0 if keepdim else sum(d < placement.dim for d in dims))),
+                    decision.inputs)
+
+
 @register(aten.rms_norm.default, aten.layer_norm.default)
 def norm(node: Node, placements, axis_size: int) -> Decision:
     """rms_norm / layer_norm: fine unless the sharded dim is one of the normalised (last) dims."""

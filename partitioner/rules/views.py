@@ -12,8 +12,9 @@ from torch.fx import Node
 
 from ..errors import PartitionError
 from ..placement import PackedShard, block_offsets, is_sharded, packed_shard, unit_of
-from .core import (Decision, NeedsPacking, NeedsUnit, R, Unshardable, norm_dim, register, same_as_input, shape_of,
-                   with_dim)
+from .attention import RING_AXES
+from .core import (Decision, NeedsPacking, NeedsUnit, R, Unshardable, norm_dim, register, register_factory,
+                   same_as_input, shape_of, with_dim)
 
 aten = torch.ops.aten
 
@@ -140,9 +141,9 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 @register(*_VIEWS)
-def view(node: Node, placements, axis_size: int, units: bool = False) -> Decision:
+def view(node: Node, placements, axis_size: int, units: bool = False, heads: bool | None = None) -> Decision:
     """A view, reshape, unflatten or flatten: the shard follows its dim (see ``regroup`` when the dim is merged
-    with others or split)."""
+    with others or split). ``heads``: a head reshape must leave every rank a head (tp; by default with ``units``)."""
     source = node.args[0]
     placement = placements.get(source, R)
     if not is_sharded(placement):
@@ -165,7 +166,7 @@ def view(node: Node, placements, axis_size: int, units: bool = False) -> Decisio
             raise Unshardable(f"flatten({start}, {end}) mixes the sharded dim {sharded} with the dims before it")
     else:
         groups = None
-    if units:
+    if units if heads is None else heads:
         too_few_heads(node, axis_size)
     return Decision(view_placement(placement, in_shape, out_shape, axis_size, units=units, source=source,
                                    groups=groups), {source: placement})
@@ -175,6 +176,19 @@ def view(node: Node, placements, axis_size: int, units: bool = False) -> Decisio
 def tensor_view(node: Node, placements, axis_size: int) -> Decision:
     """Over a tensor axis a view may split in whole units (a head reshape of features split by whole heads)."""
     return view(node, placements, axis_size, units=True)
+
+
+def make_sequence_view(roles, axis: str):
+    """Over a ring axis rows may regroup in whole units (an image's rows split unevenly, flattened with its width
+    into an attention's sequence: each rank's rows are whole image rows); ring attention and gathers take any
+    per-rank row counts. Ulysses' exchanges assume plain shards: only even splits regroup."""
+    del roles
+    units = axis in RING_AXES
+    return lambda node, placements, axis_size: view(node, placements, axis_size, units=units, heads=False)
+
+
+for _op in _VIEWS:
+    register_factory(_op, axis="sequence")(make_sequence_view)
 
 
 def _passes_through(in_shape, out_shape, dim: int) -> bool:

@@ -221,10 +221,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
                      padding: list[int], dilation: list[int], groups: int, dim: int, width: int, index: int,
                      ranks: int, group_name: str) -> torch.Tensor:
-    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``): each
-    rank borrows ``width`` rows (the kernel's reach) from each neighbour, zeros beyond the first and the last rank
-    (the convolution's own zero padding), and convolves with no padding along ``dim``: its own output rows, exact.
-    One all_to_all_single whose only non-empty pieces go to and come from the two neighbours (a halo exchange)."""
+    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), keeping
+    its rows (stride 1, ``width`` rows of zero padding each side: the kernel's reach). Each rank borrows ``width``
+    rows from each neighbour in one all_to_all_single whose only non-empty pieces go to and come from the two
+    neighbours (a halo exchange). The convolution then runs on this rank's rows with its own zero padding, and
+    only the ``width`` edge rows facing a neighbour are computed again from the borrowed rows, in place: no
+    padded copy of the input is made (at a VAE's full resolution that copy would be this rank's largest buffer).
+    A rank holding fewer than twice the reach convolves its rows with the borrowed ones around them instead."""
     rows = x.shape[dim]
     halo = list(x.shape)
     halo[dim] = width
@@ -235,8 +238,48 @@ def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     send = torch.cat([outgoing[r].reshape(-1) for r in neighbours])
     received = dict(zip(neighbours, functional.wait_tensor(
         functional.all_to_all_single(send, sizes, sizes, group_name)).split(piece)))
-    before, after = (received[r].view(halo) if r in received else x.new_zeros(halo) for r in (index - 1, index + 1))
-    padding = list(padding)
-    padding[dim - 2] = 0
-    return torch.ops.aten.convolution.default(torch.cat([before, x, after], dim), weight, bias, stride, padding,
-                                              dilation, False, [0] * len(padding), groups)
+    unpadded = list(padding)
+    unpadded[dim - 2] = 0
+
+    def convolve(rows_in: torch.Tensor, pad: list[int]) -> torch.Tensor:
+        return torch.ops.aten.convolution.default(rows_in, weight, bias, stride, pad, dilation, False,
+                                                  [0] * len(pad), groups)
+
+    if rows < 2 * width:
+        before, after = (received[r].view(halo) if r in received else x.new_zeros(halo)
+                         for r in (index - 1, index + 1))
+        return convolve(torch.cat([before, x, after], dim), unpadded)
+    out = convolve(x, list(padding))  # right but for the edge rows that face a neighbour
+    if index - 1 in received:
+        edge = torch.cat([received[index - 1].view(halo), x.narrow(dim, 0, 2 * width)], dim)
+        out.narrow(dim, 0, width).copy_(convolve(edge, unpadded))
+    if index + 1 in received:
+        edge = torch.cat([x.narrow(dim, rows - 2 * width, 2 * width), received[index + 1].view(halo)], dim)
+        out.narrow(dim, rows - width, width).copy_(convolve(edge, unpadded))
+    return out
+
+
+def sharded_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float, group_name: str) -> torch.Tensor:
+    """``group_norm`` of a value whose spatial positions are split over ranks (any per-rank count): each rank's
+    per-group count, mean and spread (``var_mean``, no copy of ``x``) are combined across ranks as parallel
+    variance does (Chan et al.): two all_reduces of ``[batch, groups]``. Then one pass ``x * scale + shift``
+    with the statistics and the affine folded per channel. Statistics in float32 at least, as torch's kernel."""
+    batch, channels = x.shape[:2]
+    wide = _wide(x).reshape(batch, groups, -1)
+    count = wide.new_full((), wide.shape[-1])
+    variance, mean = torch.var_mean(wide, dim=-1, correction=0)
+    total = _sum_over_ranks(torch.stack([mean * count, count.expand_as(mean)]), group_name)
+    global_mean = total[0] / total[1]
+    spread = _sum_over_ranks(count * (variance + (mean - global_mean).square()), group_name)
+    rstd = torch.rsqrt(spread / total[1] + eps)
+    per_channel = channels // groups
+    scale = rstd.repeat_interleave(per_channel, dim=1)
+    shift = -global_mean.repeat_interleave(per_channel, dim=1) * scale
+    if weight is not None:
+        scale, shift = scale * weight, shift * weight
+    if bias is not None:
+        shift = shift + bias
+    trailing = [1] * (x.dim() - 2)
+    out = torch.addcmul(shift.view(batch, channels, *trailing), _wide(x), scale.view(batch, channels, *trailing))
+    return out.to(x.dtype)

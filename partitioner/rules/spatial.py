@@ -1,0 +1,86 @@
+"""Ops of convolutional networks (a VAE's decoder and encoder) over images or videos whose rows are split along a
+spatial dim (height by default):
+
+- ``group_norm`` normalises each sample's groups of channels over every spatial position: with a spatial dim split
+  over a sequence axis each rank's statistics are combined across ranks (``collectives.sharded_group_norm``, put
+  in by ``collective_kernels``); split along the batch it is local; split channels would change its groups;
+- nearest upsampling by a whole factor gives every output row from one input row of the same rank: rank ``r``'s
+  rows scale to rank ``r``'s rows, so a shard in units of ``u`` rows becomes one in units of ``u * factor`` (a
+  split 4 + 3 of 7 latent rows is 8 + 6 of 14). Interpolating modes read the neighbours' rows and are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..mesh import SEQUENCE_AXES
+from ..placement import PackedShard, is_sharded, packed_shard, unit_of
+from .core import Decision, R, Unshardable, register, register_factory, same_as_input, shape_of
+
+aten = torch.ops.aten
+
+_GROUP_NORM = aten.group_norm.default
+
+
+def group_norm(node: Node, placements, axis_size: int, spatial: bool) -> Decision:
+    """``group_norm(x, groups, weight, bias, eps)``: a sharded batch passes; a sharded spatial dim (``spatial``: on a
+    sequence axis, whose statistics a collective combines) passes with weight and bias whole."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement) or placement.dim == 0:
+        return decision
+    if placement.dim == 1:
+        raise Unshardable("group_norm over sharded channels (its groups would change)")
+    if not spatial:
+        raise Unshardable(f"group_norm normalises over the sharded spatial dim {placement.dim}")
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable("group_norm over a spatial dim packed from several parts")
+    return decision
+
+
+@register_factory(_GROUP_NORM, axis="sequence")
+def make_sequence_group_norm(roles, axis: str | None = None):
+    del roles
+    return lambda node, placements, axis_size: group_norm(node, placements, axis_size, spatial=axis in SEQUENCE_AXES)
+
+
+register(_GROUP_NORM)(lambda node, placements, axis_size: group_norm(node, placements, axis_size, spatial=False))
+
+_NEAREST = {aten.upsample_nearest1d.vec: 1, aten.upsample_nearest2d.vec: 2, aten.upsample_nearest3d.vec: 3,
+            aten._upsample_nearest_exact1d.vec: 1, aten._upsample_nearest_exact2d.vec: 2,
+            aten._upsample_nearest_exact3d.vec: 3, aten.upsample_nearest1d.default: 1,
+            aten.upsample_nearest2d.default: 2, aten.upsample_nearest3d.default: 3}
+
+
+@register(*_NEAREST)
+def nearest_upsampling(node: Node, placements, axis_size: int) -> Decision:
+    """Nearest (or nearest-exact) upsampling: every output row of a sharded dim repeats one input row of the same
+    rank when the output is a whole multiple of the input (nearest-exact's half-pixel offset stays inside the
+    input row's copies too): the shard's unit grows by the factor. A fractional factor maps rows across ranks."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement) or placement.dim < 2:
+        return decision
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable("upsampling a spatial dim packed from several parts")
+    rows, out = shape_of(source)[placement.dim], shape_of(node)[placement.dim]
+    factor = _factor(node, placement.dim)
+    if out % rows or (factor is not None and factor != out // rows):
+        raise Unshardable(f"nearest upsampling of the sharded dim {placement.dim} from {rows} to {out} rows (not a "
+                          "whole factor): output rows would come from other ranks' rows")
+    return Decision(packed_shard(placement.dim, (out,), unit_of(placement) * (out // rows), axis_size),
+                    decision.inputs)
+
+
+def _factor(node: Node, dim: int) -> float | None:
+    """The scale factor the op itself uses for ``dim`` (its index computation follows it, not the sizes), if given."""
+    index = dim - (len(shape_of(node.args[0])) - _NEAREST[node.target])
+    if node.target._overloadname == "vec":
+        scales = node.args[2] if len(node.args) > 2 else node.kwargs.get("scale_factors")
+    else:
+        scales = list(node.args[2:])
+    return scales[index] if scales is not None and index < len(scales) else None
+
