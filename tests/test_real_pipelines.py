@@ -30,7 +30,8 @@ CASES = [(name, mode) for name in ("flux", "sd3", "wan", "qwen_image", "h3")
          for mode in ("tp2", "ulysses2", "tp2xulysses2")] + [("sd3", "cfg2"), ("sd3", "cfg2xtp2")]
 SECOND_REQUEST = "ulysses2"  # the mode in which each pipeline also serves a request at another size
 TWO_EXPERTS = ("wan", "tp2")  # Wan 2.2's two experts (transformer, then transformer_2) in one mode, one elsewhere
-OPTIONS = {"h3": dict(buckets={"timestep": 4})}  # H3's row timestep table: 1 to 4 rows per step, padding unread
+OPTIONS = {"h3": dict(buckets={"timestep": 4})}
+VAE_SPLIT = ("flux", "sd3", "wan", "qwen_image")  # pipelines whose VAE decode parallelize splits along height (docs/vae.md)  # H3's row timestep table: 1 to 4 rows per step, padding unread
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,10 @@ def _end_to_end(rank, world, name, shape, names, second_request, experts):
     if second_request:
         result["second"] = _errors(run(pipe, name, **OTHER_SIZE[name]), run(reference, name, **OTHER_SIZE[name]))
     result["denoisers"] = _denoisers(pipe)
+    decode = getattr(getattr(pipe, "vae", None), "__dict__", {}).get("decode")
+    result["vae"] = None if decode is None else dict(
+        partitioned=decode.partitioned is not None, whole_because=decode.whole_because,
+        halos=decode.partitioned.collective_counts()[("halo_exchange", "ring")] if decode.partitioned else 0)
     return result
 
 
@@ -108,6 +113,8 @@ def test_pipeline_matches_the_unpartitioned_pipeline_on_every_rank(pools, name, 
                 assert found["specializations"] == 1, (component, found)
         if mode == SECOND_REQUEST:
             assert max(result["second"]) <= TOLERANCE, (rank, result["second"])
+        if name in VAE_SPLIT:  # every rank of the mesh decodes its rows of the image (or frames)
+            assert result["vae"]["partitioned"] and result["vae"]["halos"] > 0, result["vae"]
 
 
 def _refused_cfg(rank, world):

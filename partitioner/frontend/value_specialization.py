@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
+import types
 from dataclasses import dataclass
 
 import torch
@@ -256,9 +257,9 @@ def method_as_forward(model: torch.nn.Module, method: str):
     if method == "forward":
         yield
         return
-    entry = getattr(model, method, None)
-    if not callable(entry) or method.startswith("_"):
+    function = getattr(type(model), method, None)  # the class's: an instance may hold a stand-in for it
+    if not callable(function) or method.startswith("_"):
         raise InputError(f"{type(model).__name__} has no public method {method!r} to trace; give method= the name of "
                          "one, e.g. 'decode'")
-    with forward_replaced(model, entry):
+    with forward_replaced(model, types.MethodType(function, model)):
         yield

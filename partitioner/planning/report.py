@@ -169,7 +169,7 @@ def held_bytes(node) -> int:
 
 def _workspace(node) -> int:
     """Bytes an op holds only while it runs: eager rms_norm's intermediate product (a composite of pow, mean,
-    rsqrt and two muls), a halo convolution's input with its borrowed rows, a ring attention's key/value blocks
+    rsqrt and two muls), a halo convolution's edge rows with the rows borrowed for them, a ring attention's key/value blocks
     in flight (the one it sends on and the one arriving), its float32 partial results (the running output and
     this block's, merged in place) and, off CPU, each block's scores. (An issued collective's buffers are values:
     ``held_bytes``.)"""
@@ -177,8 +177,10 @@ def _workspace(node) -> int:
 
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
-    if node.target is c.halo_convolution:  # its input with the neighbours' rows around it
-        return nbytes(node.args[0].meta["val"])
+    if node.target is c.halo_convolution:  # its edge rows with the borrowed ones (all its rows, if that few)
+        x, dim, width = node.args[0].meta["val"], node.args[7], node.args[8]
+        rows = x.shape[dim]
+        return nbytes(x) if rows < 2 * width else nbytes(x) * 6 * width // rows
     if node.target is not c.ring_attention:
         return 0
     q, k, v = (n.meta["val"] for n in node.args[:3])

@@ -296,7 +296,7 @@ def denoisers(pipe) -> list[str]:
 
 
 def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | None = None, checkpoint=None,
-                **options):
+                vae: bool = True, **options):
     """Swap every denoiser of ``pipe`` (a ``DiffusionPipeline``, a ``ModularPipeline`` or any object holding the
     modules as attributes) for a ``LazyPartition`` over ``mesh``, and return the pipeline.
 
@@ -304,6 +304,8 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
     ``checkpoint``: where a model built on the meta device reads its slices: a model folder (one denoiser), a
     pipeline folder (each component from its subfolder) or ``{component: path}``. ``options`` go to ``partition``
     (``plan``, ``timeout``, ``buckets``, ...) and to ``LazyPartition`` (``backend``, ``compile_options``).
+    ``vae``: also partition ``pipe.vae``'s decode and encode over every rank of the mesh, rows split along height
+    (``runtime.vae``; on a DeviceMesh); ``False`` leaves it whole on every rank.
 
     Every rank runs the pipeline with the same inputs (its own random state is not shared: seed every rank alike).
     The pipeline's ``config`` keeps naming the models' classes; ``save_pretrained`` saves the pipeline while its
@@ -331,6 +333,12 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
             setattr(pipe, name, lazy)
         else:  # a diffusers pipeline's config keeps the model's class (its setattr would record the stand-in's)
             object.__setattr__(pipe, name, lazy)
+    autoencoder = getattr(pipe, "vae", None)
+    if vae and isinstance(autoencoder, torch.nn.Module):
+        from .vae import partition_vae
+
+        partition_vae(autoencoder, mesh, f"{owner}.vae", **{k: v for k, v in options.items()
+                                                             if k in ("backend", "compile_options", "timeout")})
     _guard_save(pipe)
     return pipe
 

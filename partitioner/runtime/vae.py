@@ -1,0 +1,78 @@
+"""A pipeline's VAE partitioned by ``parallelize``: its ``decode`` (and ``encode`` where the VAE has one that
+partitions) swapped for a ``PartitionedMethod`` that partitions that method over every rank of the mesh at its
+first call, the rows of each image or frame split along height over one "ring" axis (``docs/vae.md``), and serves
+every later call (other latent sizes are shape specialisations).
+
+The VAE module itself stays whole on every rank: its weights are small; what a decode at 720p holds is activations,
+which the split divides. A VAE whose method cannot be partitioned (an op no rule carries the split through) runs
+whole, with one ``PartitionWarning`` saying why: an exact run that shards nothing must say so.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+
+from ..errors import PartitionError, PartitionWarning, TraceError
+
+METHODS = ("decode", "encode")
+
+
+def ring_over_all_ranks(mesh):
+    """A one-axis DeviceMesh named "ring" over the ranks of ``mesh`` (None for axis sizes: planning only)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        return None
+    return DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=("ring",))
+
+
+class PartitionedMethod:
+    """``module.<method>`` partitioned over ``mesh`` at its first call (that call's arguments are the example)."""
+
+    def __init__(self, module: torch.nn.Module, method: str, mesh, where: str, *, backend: str = "eager",
+                 compile_options: dict | None = None, **partition_options):
+        self.module, self.method, self.mesh, self.where = module, method, mesh, where
+        self.backend, self.compile_options, self.options = backend, dict(compile_options or {}), partition_options
+        self.compiled, self.whole_because = None, None
+        self.__doc__ = getattr(type(module), method).__doc__
+
+    @property
+    def partitioned(self):
+        """The ``Partitioned`` of the first call's shapes (None before it, or when the method runs whole)."""
+        return self.compiled.partitioned if self.compiled is not None else None
+
+    def whole(self, *args, **kwargs):
+        return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None and self.whole_because is None:
+            from ..api import partition
+
+            try:
+                partitioned = partition(self.module, self.mesh, (args, kwargs), method=self.method, **self.options)
+            except (PartitionError, TraceError) as error:
+                self.whole_because = str(error).splitlines()[0]
+                warnings.warn(f"{self.where}.{self.method} runs whole on every rank (not partitioned): "
+                              f"{self.whole_because}", PartitionWarning, stacklevel=2)
+            else:
+                self.compiled = partitioned.compile(self.backend, **self.compile_options)
+        if self.compiled is None:
+            return self.whole(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+def partition_vae(vae: torch.nn.Module, mesh, where: str, **options) -> list[str]:
+    """Swap ``vae``'s decode and encode for ``PartitionedMethod``s over every rank of ``mesh``; the methods
+    swapped (none for a mesh of axis sizes, which cannot run)."""
+    ring = ring_over_all_ranks(mesh)
+    if ring is None or ring.size() == 1:
+        return []
+    swapped = []
+    for method in METHODS:
+        if isinstance(getattr(type(vae), method, None), types.FunctionType):
+            vae.__dict__[method] = PartitionedMethod(vae, method, ring, where, **options)
+            swapped.append(method)
+    return swapped
