@@ -32,8 +32,9 @@ MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2
 
 def _without_halo(x, weight, bias, stride, padding, dilation, groups, *_):
     """Negative control: each rank convolves its own rows alone, zeros where its neighbours' rows belong."""
-    return torch.ops.aten.convolution.default(x, weight, bias, stride, padding, dilation, False, [0] * len(padding),
-                                              groups)
+    from partitioner.runtime.collectives import padded_convolution
+
+    return padded_convolution(x, weight, bias, stride, padding, dilation, groups)
 
 
 def _case(rank, world, mode, height, broken):

@@ -21,6 +21,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from ..errors import TraceError, our_step
 from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
+from .output_types import register_output_types
 from .value_specialization import ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward, specializable
 
 
@@ -309,6 +310,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     cannot be traced symbolically (or at once with ``specialize_values``, as ``partition`` asks when the host
     prologue cannot take a data-dependent size): see ``value_specialization``."""
     owner = type(model).__name__
+    register_output_types()
     if not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
             and isinstance(example_inputs[1], dict)):
         raise TraceError("example_inputs must be a pair (args, kwargs), e.g. ((), {'hidden_states': x, ...})")

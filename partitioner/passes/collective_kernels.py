@@ -25,7 +25,7 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
-from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of
+from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, padding_pairs
 from ..runtime import collectives
 from .context import PassContext
 from .insert_collectives import axis_sizes, rekey, split_size
@@ -52,7 +52,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
                                              for axis in RING_AXES):
             raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
         if node.target in GROUPS_ARGUMENT and node.target is not collectives.halo_convolution:
-            if any(conv_arguments(node)[1][p.dim - 2] for p in _spatial_axes(node).values()):
+            if any(halo_rows(node, p.dim) != (0, 0) for p in _spatial_axes(node).values()):
                 raise InvariantError(f"{node.name}: a convolution over split rows is not a halo_convolution")
         if node.target is aten.group_norm.default and _spatial_axes(node):
             raise InvariantError(f"{node.name}: a group_norm over split positions is not a sharded_group_norm")
@@ -148,14 +148,16 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
             raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
                                  f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
         (axis, placement), = spatial.items()
-        stride, padding, dilation, _ = conv_arguments(node)
-        if padding[placement.dim - 2] == 0:  # a kernel of one row along the split dim: each rank's rows suffice
+        rows = halo_rows(node, placement.dim)
+        if rows == (0, 0):  # a kernel of one row along the split dim: each rank's rows suffice
             continue
+        stride, _, dilation, _ = conv_arguments(node)
+        padding = padding_pairs(node)
+        padding[placement.dim - 2] = list(rows)
         bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
         node.target = collectives.halo_convolution
         node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
-                     padding[placement.dim - 2], ctx.mesh.coordinate(axis), ctx.mesh.size(axis),
-                     ctx.mesh.group_name(axis))
+                     ctx.mesh.coordinate(axis), ctx.mesh.size(axis), ctx.mesh.group_name(axis))
         node.kwargs = {}
         node.meta["collective"] = ("halo_exchange", axis)
 

@@ -1,12 +1,18 @@
-"""fold_conv_padding: zeros padded around a convolution's input, the same on both sides of a spatial dim, become the
-convolution's own padding along that dim. Causal video convolutions (Wan's, H3's VAE) pad every dim with ``F.pad``
-and convolve with no padding; folded, a convolution over rows split across ranks reads its padding as the halo
-exchange expects (zeros beyond the first and last rank only), where a pad of the split dim would have put zeros on
-every rank's edge. Value for value the same: zero padding is zero padding. Padding on one side only (a causal time
-dim) and any other padding mode are left to a pad op before the convolution.
+"""fold_conv_padding: zeros padded around a convolution's input become the convolution's own padding.
 
-Requires: nothing. Guarantees: no convolution reads a zero pad op that pads one of its spatial dims equally on both
-sides.
+Causal video convolutions (Wan's VAE) pad every dim with ``F.pad`` and convolve with no padding; a VAE's strided
+downsampling pads one side only (``F.pad(x, (0, 1, 0, 1))``) and convolves with stride 2. Folded, a convolution over
+rows split across ranks reads its padding as the halo exchange provides it (zeros beyond the first and last rank
+only), where a pad op of the split dim would put zeros at every rank's edge. Value for value the same: zero padding
+is zero padding.
+
+- padding equal on both sides of a spatial dim becomes the convolution's ``padding`` there;
+- padding that differs on the two sides of a dim the convolution strides over (downsampling) makes the pair one
+  ``collectives.padded_convolution`` (its padding ``[before, after]`` per dim);
+- one-sided padding of a dim of stride 1 (a causal time dim) stays a pad op before the convolution, as does any
+  other padding mode or a pad of the batch or channel dims.
+
+Requires: nothing. Guarantees: no convolution reads a zero pad op it could take as its own padding.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
 from ..rules.conv import conv_arguments, groups_of
+from ..runtime import collectives
 from .context import PassContext
 
 aten = torch.ops.aten
@@ -23,12 +30,12 @@ _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.co
 _PADDING_ARGUMENT = 4  # aten.convolution's (input, weight, bias, stride, padding, ...)
 
 
-def _zero_pad(node: Node) -> list[int] | None:
-    """The ``[last_left, last_right, ...]`` pads of a constant zero pad op, else None."""
-    if node.op != "call_function" or node.kwargs.get("value", 0) not in (0, 0.0, None):
+def _zero_pads(node: Node) -> list[int] | None:
+    """The ``[last_before, last_after, ...]`` pads of a constant zero pad op, else None."""
+    if node.op != "call_function":
         return None
     if node.target is aten.constant_pad_nd.default:
-        value = node.args[2] if len(node.args) > 2 else 0
+        value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
     elif node.target is aten.pad.default:
         mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
         value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
@@ -39,50 +46,62 @@ def _zero_pad(node: Node) -> list[int] | None:
     return list(node.args[1]) if value in (0, 0.0, None) else None
 
 
-def foldable(conv: Node) -> dict[int, int]:
-    """The spatial dims (index among them) whose zero padding of ``conv``'s input can be the convolution's, with
-    that padding: padded equally on both sides, not negative (a crop), the convolution not transposed."""
+def folds(conv: Node) -> tuple[list[list[int]], list[int]] | None:
+    """For a convolution reading a zero pad: ``[before, after]`` padding of each spatial dim once the foldable pads
+    are its own, and the pads left to a pad op (all zero: none). None when nothing folds."""
     if conv.target not in _CONVS or not isinstance(conv.args[0], Node) or conv.kwargs or conv_arguments(conv)[3]:
-        return {}
-    x = conv.args[0]
-    pads = _zero_pad(x)
-    if pads is None:
-        return {}
-    spatial = len(x.meta["val"].shape) - 2
-    folds = {}
-    for index in range(min(spatial, len(pads) // 2)):  # pads run from the last dim backwards
-        left, right = pads[2 * index], pads[2 * index + 1]
-        if left == right > 0:
-            folds[spatial - 1 - index] = left
-    return folds
+        return None
+    pads = _zero_pads(conv.args[0])
+    spatial = len(conv.args[0].meta["val"].shape) - 2
+    if pads is None or any(pads[2 * spatial:]) or min(pads) < 0:  # batch or channels padded, or a crop
+        return None
+    stride, padding, _, _ = conv_arguments(conv)
+    pads = pads + [0] * (2 * spatial - len(pads))
+    pairs, left = [], list(pads)
+    for dim in range(spatial):
+        index = 2 * (spatial - 1 - dim)  # pads run from the last dim backwards
+        before, after = pads[index], pads[index + 1]
+        if before or after:
+            if before == after or stride[dim] > 1:
+                left[index] = left[index + 1] = 0
+            else:
+                before = after = 0
+        pairs.append([padding[dim] + before, padding[dim] + after])
+    return (pairs, left) if left != pads else None
+
+
+def _with_meta(node: Node, like: Node, val) -> Node:
+    node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
+    node.meta["val"] = val
+    return node
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     del ctx
     graph = gm.graph
-    for conv in [n for n in graph.nodes if foldable(n)]:
-        pad, folds = conv.args[0], foldable(conv)
-        source, pads = pad.args[0], list(pad.args[1])
-        spatial = len(source.meta["val"].shape) - 2
-        for dim in folds:
-            index = spatial - 1 - dim
-            pads[2 * index] = pads[2 * index + 1] = 0
-        stride, padding, dilation, _ = conv_arguments(conv)
-        padding = [p + folds.get(dim, 0) for dim, p in enumerate(padding)]
-        if any(pads):
+    for conv in [n for n in graph.nodes if folds(n)]:
+        (pairs, left), pad = folds(conv), conv.args[0]
+        source = pad.args[0]
+        if any(left):
             with graph.inserting_after(pad):
-                rest = graph.call_function(aten.constant_pad_nd.default, (source, pads, 0.0))
-            rest.meta.update({k: pad.meta[k] for k in ("stack_trace", "nn_module_stack") if k in pad.meta})
-            rest.meta["val"] = torch.ops.aten.constant_pad_nd.default(source.meta["val"], pads, 0.0)
+                source = _with_meta(graph.call_function(aten.constant_pad_nd.default, (source, left, 0.0)), pad,
+                                    aten.constant_pad_nd.default(source.meta["val"], left, 0.0))
+        stride, _, dilation, _ = conv_arguments(conv)
+        bias = conv.args[2] if len(conv.args) > 2 else None
+        if all(before == after for before, after in pairs):
+            padding = [before for before, _ in pairs]
+            if conv.target is aten.convolution.default:
+                args = list(conv.args)
+                args[0], args[_PADDING_ARGUMENT] = source, padding
+                conv.args = tuple(args)
+            else:
+                conv.args = (source, conv.args[1], bias, stride, padding, dilation, groups_of(conv))
         else:
-            rest = source
-        if conv.target is aten.convolution.default:
-            args = list(conv.args)
-            args[0], args[_PADDING_ARGUMENT] = rest, padding
-        else:
-            args = [rest, conv.args[1], conv.args[2] if len(conv.args) > 2 else None, stride, padding, dilation,
-                    groups_of(conv)]
-        conv.args = tuple(args)
+            with graph.inserting_before(conv):
+                padded = _with_meta(graph.call_function(collectives.padded_convolution, (
+                    source, conv.args[1], bias, stride, pairs, dilation, groups_of(conv))), conv, conv.meta["val"])
+            conv.replace_all_uses_with(padded)
+            graph.erase_node(conv)
         if not pad.users:
             graph.erase_node(pad)
     return gm
@@ -91,5 +110,5 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
 def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: no foldable padding is left."""
     for node in gm.graph.nodes:
-        if foldable(node):
+        if folds(node):
             raise InvariantError(f"{node.name}: its input's zero padding was not folded into the convolution")

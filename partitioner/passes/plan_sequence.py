@@ -29,6 +29,7 @@ How the plan is found:
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -36,7 +37,7 @@ from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, Replicate, Shard, any_sharded
+from ..placement import PackedShard, Replicate, Shard, any_sharded, packed_shard, unit_of
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
 from ..rules.pointwise import SIZE_ARGUMENT
@@ -92,7 +93,7 @@ def _unpacked(decision: Decision, node: Node) -> Decision:
 
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
                refused: dict[Node, str], rows: SequenceDims, own, gathered: set[Node], gather_done: bool,
-               packs: bool):
+               packs: bool, units: dict[Node, int]):
     """One sweep (``partitioner.rules.propagate``): decisions, the seeds that failed before an attention (with why), and
     the values to gather once their own attentions are done.
     A seed's consumers see it sequence-sharded (sliced for free where it is computed whole). An attention that
@@ -100,12 +101,19 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     the sequence back. With ``gather_done``, so does a refusal after the last attention *a seed's rows reach*
     (``own``): the value reaching it is gathered right where it is made (``gathered``), its own attention having
     run sharded (H3's text refiner, whose rows are then packed into the main sequence by index)."""
+    def seeded(node: Node):
+        dim, unit = seeds[node], units.get(node, 1)
+        return Shard(dim) if unit == 1 else packed_shard(dim, (shape_of(node)[dim],), unit, ctx.mesh.size(axis))
+
+    introduced = set()  # the seeds whose sharding starts here (others are sharded already by a seed before them)
+
     def adjust(node: Node, decision: Decision) -> Decision:
         if node in seeds and not any_sharded(decision.seen):
+            introduced.add(node)
             if node.target in SIZE_ARGUMENT:  # a buffer (H3's packed sequence) is made at this rank's size
-                decision.output = Shard(seeds[node])
+                decision.output = seeded(node)
             else:
-                decision.visible = Shard(seeds[node])
+                decision.visible = seeded(node)
         if node in gathered:
             decision.visible = R
         return decision
@@ -115,9 +123,17 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
         return rule if packs else lambda node, placements, size: _unpacked(rule(node, placements, size), node)
 
     swept = sweep(gm, rule_of, ctx.mesh.size(axis), adjust=adjust, is_seed=lambda node, decision: node in seeds)
-    failed, to_gather = {}, set()
+    failed, to_gather, grow = {}, set(), {}
     for failure in swept.failures:
         problem = failure.problem
+        if isinstance(problem, NeedsUnit) and failure.seeds:
+            # a strided convolution: the seeds whose sharding reaches it split their rows in coarser groups
+            have = unit_of(swept.visible.get(problem.node, R))
+            targets = introduced & (ancestors([problem.node]) | {problem.node})
+            for seed in targets:
+                grow[seed] = max(grow.get(seed, 1), math.lcm(have, problem.unit) // have)
+            if targets:
+                continue
         if isinstance(problem, NeedsPacking):  # sequence shards are never packed
             problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
         if isinstance(problem, NeedsUnit):  # nor split in units
@@ -143,7 +159,7 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
         failed = parts
     if failed:  # seeds dropped first; what their dropping leaves to gather is found again
         to_gather = set()
-    return swept.decisions, failed, to_gather
+    return swept.decisions, failed, to_gather, grow
 
 
 def _done_with(node: Node, seed: Node, own: set[Node], swept) -> set[Node]:
@@ -212,10 +228,19 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
     own = _seed_rows(rows, gm)
     gathered: set[Node] = set()
+    units: dict[Node, int] = {}  # seeds split in whole groups of rows (an image under strided convolutions)
     while True:
-        decisions, failed, to_gather = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, rows, own,
-                                                  gathered, gather_done=ctx.mesh.per_rank,
-                                                  packs=ctx.mesh.per_rank and joint_parts)
+        decisions, failed, to_gather, grow = _propagate(gm, axis, seeds, feeds_attention, ctx, refused, rows, own,
+                                                        gathered, gather_done=ctx.mesh.per_rank,
+                                                        packs=ctx.mesh.per_rank and joint_parts, units=units)
+        for seed, factor in grow.items():  # units only grow, up to a rank's share: the loop ends
+            units[seed] = units.get(seed, 1) * factor
+            if units[seed] * ctx.mesh.size(axis) > shape_of(seed)[seeds[seed]]:
+                failed.setdefault(seed, f"its {shape_of(seed)[seeds[seed]]} rows cannot give each of "
+                                        f"{ctx.mesh.size(axis)} ranks whole groups of {units.pop(seed)} rows (the "
+                                        "strides of the convolutions they go through)")
+        if grow and not failed:
+            continue
         if failed and given is not None:
             raise PartitionError(f"the plan's sequence sharding over {axis!r} cannot be applied: "
                                  + "; ".join(f"{seed.name}: {reason}" for seed, reason in failed.items()))

@@ -178,9 +178,10 @@ def _workspace(node) -> int:
     if node.target is torch.ops.aten.rms_norm.default:
         return nbytes(node.meta["val"])
     if node.target is c.halo_convolution:  # its edge rows with the borrowed ones (all its rows, if that few)
-        x, dim, width = node.args[0].meta["val"], node.args[7], node.args[8]
-        rows = x.shape[dim]
-        return nbytes(x) if rows < 2 * width else nbytes(x) * 6 * width // rows
+        x, dim = node.args[0].meta["val"], node.args[7]
+        (before, after), rows = node.args[4][dim - 2], x.shape[dim]
+        in_place = node.args[3][dim - 2] == 1 and all(p == q for p, q in node.args[4]) and rows >= 2 * before
+        return nbytes(x) * 3 * (before + after) // rows if in_place else nbytes(x) * (rows + before + after) // rows
     if node.target is not c.ring_attention:
         return 0
     q, k, v = (n.meta["val"] for n in node.args[:3])
@@ -230,8 +231,8 @@ def collective_calls(node) -> tuple[int, int]:
 
     val = node.meta["val"]
     if node.target is halo_convolution:  # the rows borrowed from (and lent to) each neighbour
-        x, dim, width = node.args[0].meta["val"], node.args[7], node.args[8]
-        return 2 * width * x.numel() // x.shape[dim] * x.element_size(), 1
+        x, dim = node.args[0].meta["val"], node.args[7]
+        return sum(node.args[4][dim - 2]) * x.numel() // x.shape[dim] * x.element_size(), 1
     if node.target is reduce_scatter_start:  # sized by what it sums, as an all_reduce of the same value
         val = node.args[0].meta["val"]
     if node.target is ring_attention:  # ring - 1 passes of this rank's key/value block

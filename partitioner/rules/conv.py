@@ -17,26 +17,38 @@ import torch
 from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, Partial, is_sharded, shard_slices, shard_widths
+from ..placement import PackedShard, Partial, Shard, is_sharded, packed_shard, shard_slices, shard_widths, unit_of
 from ..runtime import collectives
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, shape_of, with_dim
 
 aten = torch.ops.aten
-_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+          collectives.padded_convolution)
 # where each convolution op takes its number of groups
 GROUPS_ARGUMENT = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
-                   aten.convolution.default: 8, collectives.halo_convolution: 6}
+                   aten.convolution.default: 8, collectives.halo_convolution: 6, collectives.padded_convolution: 6}
 
 
 def conv_arguments(node: Node) -> tuple[list[int], list[int], list[int], bool]:
-    """stride, padding, dilation (one per spatial dim) and whether it is transposed."""
+    """stride, padding, dilation (one per spatial dim) and whether it is transposed. A ``padded_convolution``'s
+    padding differs on its two sides: see ``padding_pairs``; here each dim's padding before its rows."""
     spatial = len(shape_of(node.args[0])) - 2
+    if node.target is collectives.padded_convolution:
+        stride, padding, dilation = node.args[3:6]
+        return _per_dim(stride, spatial), [before for before, _ in padding], _per_dim(dilation, spatial), False
     if node.target is aten.convolution.default:
         stride, padding, dilation, transposed = node.args[3:7]
     else:
         stride, padding, dilation = (*node.args[3:6], *(1, 0, 1)[len(node.args[3:6]):])
         transposed = False
     return _per_dim(stride, spatial), _per_dim(padding, spatial), _per_dim(dilation, spatial), transposed
+
+
+def padding_pairs(node: Node) -> list[list[int]]:
+    """``[before, after]`` zero padding of each spatial dim."""
+    if node.target is collectives.padded_convolution:
+        return [list(pair) for pair in node.args[4]]
+    return [[p, p] for p in conv_arguments(node)[1]]
 
 
 def _per_dim(value, spatial: int) -> list[int]:
@@ -65,8 +77,7 @@ def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> D
         return Decision(px, inputs)
     if px.dim != 1:
         if halo:
-            _check_halo(node, px, axis_size)
-            return Decision(px, inputs)
+            return Decision(split_rows(node, px, axis_size), inputs)
         raise Unshardable(f"convolution over the sharded spatial dim {px.dim}")
     if conv_arguments(node)[3]:
         raise Unshardable("a transposed convolution with sharded channels")
@@ -86,29 +97,57 @@ def convolution(node: Node, placements, axis_size: int, halo: bool = False) -> D
     return Decision(px, inputs)
 
 
-def _check_halo(node: Node, placement, axis_size: int) -> None:
-    """Rows of one spatial dim split in order (evenly or not, in any unit), each rank's output rows its input rows
-    (stride 1, padding the kernel's reach on each side): a halo exchange serves it, each rank holding at least the
-    reach its neighbours borrow."""
-    dim, size = placement.dim, shape_of(node.args[0])[placement.dim]
-    stride, padding, dilation, transposed = conv_arguments(node)
-    kernel = shape_of(node.args[1])[dim]
-    spatial = dim - 2
-    reach = dilation[spatial] * (kernel - 1)
-    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or transposed or stride[spatial] != 1 \
-            or 2 * padding[spatial] != reach:
-        raise Unshardable(f"convolution over the sharded spatial dim {dim} changes its rows (kernel {kernel}, "
-                          f"stride {stride[spatial]}, padding {padding[spatial]}, dilation {dilation[spatial]})")
-    widths = shard_widths(placement, size, axis_size)
-    if min(widths) < padding[spatial]:
+def split_rows(node: Node, placement, axis_size: int):
+    """The output placement of a convolution over rows of one spatial dim split in order (evenly or not, in any
+    unit): each rank computes the output rows of its own rows, ``rows / stride`` of them, borrowing from its
+    neighbours the rows its kernel reaches past its own (``halo_rows``; the padding at the image's edges only). A
+    strided convolution needs every rank's first row at a multiple of the stride (``NeedsUnit``)."""
+    x, dim = node.args[0], placement.dim
+    size, out, spatial = shape_of(x)[dim], shape_of(node)[dim], dim - 2
+    stride = conv_arguments(node)[0][spatial]
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or conv_arguments(node)[3] \
+            or out * stride != size:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim} maps {size} rows to {out} (stride "
+                          f"{stride}, padding {padding_pairs(node)[spatial]}): not each rank's rows / stride")
+    before, after = halo_rows(node, dim)
+    if after < 0:
+        raise Unshardable(f"a convolution of stride {stride} reading fewer rows than it steps over along dim {dim}")
+    ranges = [shard_slices(placement, size, axis_size, rank)[0] for rank in range(axis_size)]
+    if any(start % stride for start, _ in ranges):
+        raise NeedsUnit(x, stride)
+    widths = [end - start for start, end in ranges]
+    if min(widths) < max(before, after):
         raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows split {widths} over "
-                          f"{axis_size} ranks, fewer than the kernel's reach of {padding[spatial]} on some rank")
+                          f"{axis_size} ranks, fewer on some rank than the {max(before, after)} its neighbour "
+                          "borrows")
+    if stride == 1:
+        return placement
+    unit = unit_of(placement)
+    if unit % stride and not (size % axis_size == 0 and unit == 1):
+        raise NeedsUnit(x, stride)
+    result = Shard(dim) if size % axis_size == 0 and unit == 1 else packed_shard(dim, (out,), unit // stride,
+                                                                                 axis_size)
+    if shard_widths(result, out, axis_size) != [w // stride for w in widths]:
+        raise Unshardable(f"strided convolution over the sharded spatial dim {dim}: rows {widths} do not map to "
+                          f"whole output rows per rank")
+    return result
+
+
+def halo_rows(node: Node, dim: int) -> tuple[int, int]:
+    """(rows before, rows after) a rank's own rows along ``dim`` that its output rows read: the padding before
+    them, and what the kernel reaches past the last stride step."""
+    spatial = dim - 2
+    stride, _, dilation, _ = conv_arguments(node)
+    before = padding_pairs(node)[spatial][0]
+    reach = dilation[spatial] * (shape_of(node.args[1])[dim] - 1)
+    return before, reach + 1 - stride[spatial] - before
 
 
 @register_factory(aten.conv1d.default, axis="sequence")
 @register_factory(aten.conv2d.default, axis="sequence")
 @register_factory(aten.conv3d.default, axis="sequence")
 @register_factory(aten.convolution.default, axis="sequence")
+@register_factory(collectives.padded_convolution, axis="sequence")
 def make_sequence_convolution(roles, axis: str | None = None):
     """Over ring and ulysses a convolution borrows its neighbours' rows; over other axes that use the sequence
     rules (tp's rows between its regions, a batch axis, bucket padding) a sharded spatial dim is Unshardable."""

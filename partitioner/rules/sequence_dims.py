@@ -64,14 +64,20 @@ def _element(placement, index):
 
 def _probe(rule, node: Node, source: Node, dim: int, degree: int):
     """``node``'s decision given ``source`` sharded along ``dim`` and every other input whole (packed at the cuts
-    the op asks for: a joint sequence split back into its parts); None if refused."""
+    the op asks for: a joint sequence split back into its parts; in the whole groups of rows it asks for: an image
+    under a strided convolution); None if refused."""
     placement = Shard(dim)
-    for _ in range(2):
+    for _ in range(3):
         try:
             return rule(node, {source: placement}, degree)
         except NeedsPacking as needed:
             placement = PackedShard(dim, tuple(needed.blocks))
-        except (Unshardable, NeedsUnit):
+        except NeedsUnit as needed:
+            size = _shape(source)[dim]
+            if size % needed.unit or isinstance(placement, PackedShard):
+                return None
+            placement = PackedShard(dim, (size,), needed.unit)
+        except Unshardable:
             return None
     return None
 

@@ -219,44 +219,66 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
-                     padding: list[int], dilation: list[int], groups: int, dim: int, width: int, index: int,
-                     ranks: int, group_name: str) -> torch.Tensor:
-    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), keeping
-    its rows (stride 1, ``width`` rows of zero padding each side: the kernel's reach). Each rank borrows ``width``
-    rows from each neighbour in one all_to_all_single whose only non-empty pieces go to and come from the two
-    neighbours (a halo exchange). The convolution then runs on this rank's rows with its own zero padding, and
-    only the ``width`` edge rows facing a neighbour are computed again from the borrowed rows, in place: no
-    padded copy of the input is made (at a VAE's full resolution that copy would be this rank's largest buffer).
-    A rank holding fewer than twice the reach convolves its rows with the borrowed ones around them instead."""
-    rows = x.shape[dim]
-    halo = list(x.shape)
-    halo[dim] = width
-    piece = math.prod(halo)
-    neighbours = [r for r in (index - 1, index + 1) if 0 <= r < ranks]
-    sizes = [piece if r in neighbours else 0 for r in range(ranks)]
-    outgoing = {index - 1: x.narrow(dim, 0, width), index + 1: x.narrow(dim, rows - width, width)}
-    send = torch.cat([outgoing[r].reshape(-1) for r in neighbours])
-    received = dict(zip(neighbours, functional.wait_tensor(
-        functional.all_to_all_single(send, sizes, sizes, group_name)).split(piece)))
-    unpadded = list(padding)
-    unpadded[dim - 2] = 0
+                     padding: list[list[int]], dilation: list[int], groups: int, dim: int, index: int, ranks: int,
+                     group_name: str) -> torch.Tensor:
+    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), each
+    rank computing the output rows of its own rows (``rows / stride`` of them). ``padding``: ``[before, after]`` per
+    spatial dim. Along ``dim`` a rank reads ``before`` rows ahead of its own (the previous rank's last; zeros, the
+    convolution's padding, on the first rank) and ``after`` rows past them (the next rank's first; zeros on the
+    last), all borrowed in one all_to_all_single whose only non-empty pieces go to and come from the two
+    neighbours (a halo exchange).
+
+    A same-size convolution (stride 1, the same padding on both sides of every dim) runs on this rank's rows with
+    its own zero padding, and only the edge rows facing a neighbour are computed again from the borrowed rows, in
+    place: no padded copy of the input is made (at a VAE's full resolution that copy would be this rank's largest
+    buffer). Others (strided downsampling) convolve this rank's rows with the borrowed ones around them."""
+    rows, (before, after) = x.shape[dim], padding[dim - 2]
+    came = {index - 1: before if index > 0 else 0, index + 1: after if index + 1 < ranks else 0}
+    sent = {index - 1: after if index > 0 else 0, index + 1: before if index + 1 < ranks else 0}  # what each needs
+    inner = x.numel() // rows
+    send = torch.cat([x.narrow(dim, 0, sent[index - 1]).reshape(-1),
+                      x.narrow(dim, rows - sent[index + 1], sent[index + 1]).reshape(-1)])
+    received = functional.wait_tensor(functional.all_to_all_single(
+        send, [came.get(r, 0) * inner for r in range(ranks)], [sent.get(r, 0) * inner for r in range(ranks)],
+        group_name))
+    pieces = dict(zip((index - 1, index + 1), received.split([came[index - 1] * inner, came[index + 1] * inner])))
+
+    def borrowed(rank: int, count: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = count
+        return pieces[rank].view(shape) if came[rank] else x.new_zeros(shape)
 
     def convolve(rows_in: torch.Tensor, pad: list[int]) -> torch.Tensor:
         return torch.ops.aten.convolution.default(rows_in, weight, bias, stride, pad, dilation, False,
                                                   [0] * len(pad), groups)
 
-    if rows < 2 * width:
-        before, after = (received[r].view(halo) if r in received else x.new_zeros(halo)
-                         for r in (index - 1, index + 1))
-        return convolve(torch.cat([before, x, after], dim), unpadded)
-    out = convolve(x, list(padding))  # right but for the edge rows that face a neighbour
-    if index - 1 in received:
-        edge = torch.cat([received[index - 1].view(halo), x.narrow(dim, 0, 2 * width)], dim)
-        out.narrow(dim, 0, width).copy_(convolve(edge, unpadded))
-    if index + 1 in received:
-        edge = torch.cat([x.narrow(dim, rows - 2 * width, 2 * width), received[index + 1].view(halo)], dim)
-        out.narrow(dim, rows - width, width).copy_(convolve(edge, unpadded))
+    symmetric = [p if p == q else None for p, q in padding]
+    if stride[dim - 2] != 1 or None in symmetric or rows < 2 * before:
+        others = [side for d, pair in reversed(list(enumerate(padding))) for side in (pair if d != dim - 2 else (0, 0))]
+        rows_in = torch.cat([borrowed(index - 1, before), x, borrowed(index + 1, after)], dim)
+        return convolve(torch.ops.aten.constant_pad_nd.default(rows_in, others, 0.0) if any(others) else rows_in,
+                        [0] * len(padding))
+    unpadded = list(symmetric)
+    unpadded[dim - 2] = 0
+    out = convolve(x, symmetric)  # right but for the edge rows that face a neighbour
+    if came[index - 1]:
+        edge = torch.cat([borrowed(index - 1, before), x.narrow(dim, 0, 2 * before)], dim)
+        out.narrow(dim, 0, before).copy_(convolve(edge, unpadded))
+    if came[index + 1]:
+        edge = torch.cat([x.narrow(dim, rows - 2 * after, 2 * after), borrowed(index + 1, after)], dim)
+        out.narrow(dim, rows - after, after).copy_(convolve(edge, unpadded))
     return out
+
+
+def padded_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                       padding: list[list[int]], dilation: list[int], groups: int) -> torch.Tensor:
+    """A convolution whose zero padding differs on the two sides of some dim (``padding``: ``[before, after]`` per
+    spatial dim): ``F.pad`` then a convolution, as a VAE's strided downsampling writes it (``fold_conv_padding``
+    makes it one op, so that a split dim's padding goes only to the image's edges, ``halo_convolution``)."""
+    pads = [side for pair in reversed(padding) for side in pair]
+    return torch.ops.aten.convolution.default(torch.ops.aten.constant_pad_nd.default(x, pads, 0.0), weight, bias,
+                                              stride, [0] * len(padding), dilation, False, [0] * len(padding),
+                                              groups)
 
 
 def sharded_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,

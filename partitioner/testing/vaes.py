@@ -54,8 +54,8 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
         for node in partitioned.graph_module.graph.nodes:
             if node.target is collectives.halo_convolution:
                 x, weight, bias, stride, padding, dilation, groups = node.args[:7]
-                node.target = torch.ops.aten.convolution.default
-                node.args = (x, weight, bias, stride, padding, dilation, False, [0] * len(padding), groups)
+                node.target = collectives.padded_convolution
+                node.args = (x, weight, bias, stride, padding, dilation, groups)
         partitioned.graph_module.recompile()
     out = partitioned.compile()(z, return_dict=False)[0]
     with torch.no_grad():
