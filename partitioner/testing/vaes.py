@@ -66,10 +66,24 @@ def latents(name: str, height: int, width: int, seed: int = 3, frames: int | Non
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, break_halo: bool = False):
+def small_tiles(vae, tile: int) -> dict:
+    """``enable_tiling``'s arguments for square tiles of ``tile`` pixels overlapping by half: diffusers' VAEs give
+    the overlap either as such (MiniMax-H3) or as the stride between tiles (Wan, Qwen-Image)."""
+    import inspect
+
+    step = "min_overlap" if "tile_sample_min_overlap_height" in inspect.signature(vae.enable_tiling).parameters \
+        else "stride"
+    return {"tile_sample_min_height": tile, "tile_sample_min_width": tile,
+            f"tile_sample_{step}_height": tile // 2, f"tile_sample_{step}_width": tile // 2}
+
+
+def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, break_halo: bool = False,
+                    tile: int | None = None):
     """On every rank: the VAE's decode partitioned over a ring of ``world`` (rows split along height) against the
-    whole decode; (max error, max magnitude, halo convolutions, sharded group norms). ``break_halo``: the negative
-    control, every halo exchange's borrowed rows replaced by zeros (the convolutions' padding)."""
+    whole decode; (max error, max magnitude, halo convolutions, sharded group norms, ring attentions).
+    ``break_halo``: the negative control, every halo exchange's borrowed rows replaced by zeros (the convolutions'
+    padding). ``tile``: the VAE's own tiled decode, tiles of ``tile`` pixels overlapping by half (the partitioned
+    decode follows the tiles)."""
     from collections import Counter
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,6 +92,8 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
     from partitioner.runtime import collectives
 
     vae = VAES[name]()
+    if tile:
+        vae.enable_tiling(**small_tiles(vae, tile))
     z = latents(name, height, width)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
     partitioned = partitioner.partition(vae, mesh, ((z,), {"return_dict": False}), method="decode")
@@ -93,4 +109,4 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
     with torch.no_grad():
         expected = vae.decode(z).sample
     return ((out - expected).abs().max().item(), expected.abs().max().item(), kernels["halo_convolution"],
-            kernels["sharded_group_norm"])
+            kernels["sharded_group_norm"], kernels["ring_attention"])
