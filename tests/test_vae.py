@@ -4,6 +4,8 @@
 halo exchange with the two neighbours, every group norm combines its statistics across the ranks, nearest upsampling
 keeps each rank's rows, the mid-block attention runs as ring attention, and only the image is gathered at the end.
 Latent heights are odd on purpose (7 rows: 4 + 3 over 2 ranks; 9 rows: 3 + 2 + 2 + 2 over 4): nothing is padded.
+Qwen-Image's VAE (Wan 2.1's, one frame) follows the same rules. MiniMax-H3's decoder is a ViT with no convolution
+over rows: its token sequence is split and its attentions run as ring attention (test_vit_decoder_...).
 
 Tolerance: the convolutions see exactly the single-device inputs (a halo row is the neighbour's own row, zero padding
 only at the image's edges), so only the group norm statistics (combined from per-rank means and spreads) and ring
@@ -23,7 +25,7 @@ from partitioner.rules import Unshardable
 from partitioner.rules.spatial import nearest_upsampling
 from partitioner.placement import PackedShard, Shard
 from partitioner.testing import RankPool
-from partitioner.testing.vaes import decode_on_ranks, latents, tiny_autoencoder_kl, tiny_wan_vae
+from partitioner.testing.vaes import decode_on_ranks, latents, tiny_autoencoder_kl, tiny_minimax_h3_vae, tiny_wan_vae
 
 TOLERANCE = 1e-5
 
@@ -34,17 +36,26 @@ def pools():
         yield {2: two, 4: four}
 
 
-@pytest.mark.parametrize("name, world, height, width", [
-    ("autoencoder_kl", 2, 7, 6), ("autoencoder_kl", 4, 9, 5), ("wan", 2, 7, 6), ("wan", 4, 9, 4)],
-    ids=["kl-2-odd", "kl-4-odd", "wan-2-odd", "wan-4-odd"])
-def test_decode_is_exact_on_every_rank(pools, name, world, height, width):
-    results = pools[world].run(decode_on_ranks, name, height, width)
-    for rank, (error, magnitude, halos, group_norms) in enumerate(results):
+@pytest.mark.parametrize("name, world, height, width, tile", [
+    ("autoencoder_kl", 2, 7, 6, None), ("autoencoder_kl", 4, 9, 5, None), ("wan", 2, 7, 6, None),
+    ("wan", 4, 9, 4, None), ("qwen_image", 2, 7, 6, None), ("qwen_image", 4, 9, 4, None),
+    ("minimax_h3", 2, 7, 6, None), ("minimax_h3", 4, 9, 5, None), ("minimax_h3", 2, 7, 6, 16)],
+    ids=["kl-2-odd", "kl-4-odd", "wan-2-odd", "wan-4-odd", "qwen-image-2-odd", "qwen-image-4-odd", "h3-2-odd",
+         "h3-4-odd", "h3-2-tiled"])
+def test_decode_is_exact_on_every_rank(pools, name, world, height, width, tile):
+    """MiniMax-H3's decoder is a ViT over every latent voxel: no convolution to split, its token sequence (voxels,
+    then register tokens) is split instead and every attention runs as ring attention; tiled (H3 ships with
+    tiling on), each tile is decoded that way and the tiles blended as the model blends them."""
+    results = pools[world].run(decode_on_ranks, name, height, width, False, tile)
+    for rank, (error, magnitude, halos, group_norms, ring_attentions) in enumerate(results):
         assert magnitude > 0.1, "a vacuous comparison"
         assert error <= TOLERANCE, f"rank {rank}: {error}"
-        assert halos > 0, "no convolution ran over split rows"
+        if name == "minimax_h3":
+            assert ring_attentions == 2 * (6 if tile else 1), "an attention ran on the whole sequence"
+        else:
+            assert halos > 0, "no convolution ran over split rows"
     if name == "autoencoder_kl":
-        assert all(group_norms > 0 for *_, group_norms in results)
+        assert all(group_norms > 0 for *_, group_norms, _ in results)
 
 
 def test_negative_control_without_the_halo_exchange_is_wrong(pools):
@@ -64,6 +75,22 @@ def test_whole_decoder_is_split_and_only_the_image_is_gathered():
     plain = [n.name for n in partitioned.graph_module.graph.nodes if n.target is torch.ops.aten.conv2d.default]
     assert not plain, f"convolutions left on whole rows: {plain}"
     assert "sequence-sharded (ring attention" in partitioned.explain()
+
+
+def test_vit_decoder_splits_its_tokens_and_gathers_only_the_image():
+    """MiniMax-H3's decoder, planned for 4 ranks: the tokens are split after the register tokens join them (before
+    that only the latents' 1x1 projections run whole), every attention is ring attention, and the one gather is of
+    the last projection's output, the image's pixels before unpatchifying."""
+    vae, z = tiny_minimax_h3_vae(), latents("minimax_h3", 9, 5)
+    partitioned = partitioner.partition(vae, {"ring": 4}, ((z,), {"return_dict": False}), method="decode",
+                                        rank=1)
+    counts = partitioned.collective_counts()
+    assert counts[("all_gather", "ring")] == 1, counts
+    assert counts[("ring_pass", "ring")] == 2 * 3  # each block passes key/value blocks 3 times round 4 ranks
+    gathered = next(n for n in partitioned.graph_module.graph.nodes
+                    if getattr(n.target, "__name__", "") == "all_gather_wait")
+    producer = gathered.args[0].args[0]
+    assert producer.target is torch.ops.aten.linear.default and "proj_out" in producer.args[1].name
 
 
 def test_method_that_does_not_exist_is_named():

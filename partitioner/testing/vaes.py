@@ -26,18 +26,64 @@ def tiny_wan_vae(seed: int = 0):
                             attn_scales=[]).eval()
 
 
-VAES = {"autoencoder_kl": tiny_autoencoder_kl, "wan": tiny_wan_vae}
+def tiny_qwen_image_vae(seed: int = 0):
+    """AutoencoderKLQwenImage (Qwen-Image and its edit pipelines): Wan 2.1's causal 3D VAE, decoding one frame."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                                  attn_scales=[], latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
 
 
-def latents(name: str, height: int, width: int, seed: int = 3, frames: int = 2) -> torch.Tensor:
-    shape = (1, 4, height, width) if name == "autoencoder_kl" else (1, 4, frames, height, width)
+def tiny_minimax_h3_vae(seed: int = 0):
+    """AutoencoderKLMiniMaxH3's decoder: a ViT over every latent voxel (plus register tokens at position 0) with 3-axis
+    rope, full attention, each token unpatchified into a 2x4x4 pixel block; decode runs in overlapping temporal
+    chunks (clip_length 5, token_drop 1: latents of 3n + 2 frames). Its zero-initialised layer scales and register
+    tokens are drawn at random so the blocks count in the output."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLMiniMaxH3(
+        latent_channels=4, block_out_channels=(8, 8), layers_per_block=1, spatial_downsample_factors=(2, 2),
+        temporal_downsample_factors=(1, 2), norm_num_groups=4, decoder_num_layers=2, decoder_num_attention_heads=2,
+        decoder_attention_head_dim=16, decoder_num_register_tokens=2, decoder_ffn_mult=2, clip_length=5,
+        token_drop=1, latents_mean=(0.0,) * 4, latents_std=(1.0,) * 4)
+    with torch.no_grad():
+        for parameter in vae.parameters():
+            if not parameter.any():
+                parameter.normal_(std=0.3)
+    return vae.eval()
+
+
+VAES = {"autoencoder_kl": tiny_autoencoder_kl, "wan": tiny_wan_vae, "qwen_image": tiny_qwen_image_vae,
+        "minimax_h3": tiny_minimax_h3_vae}
+FRAMES = {"autoencoder_kl": None, "wan": 2, "qwen_image": 1, "minimax_h3": 5}  # latent frames (None: an image VAE)
+
+
+def latents(name: str, height: int, width: int, seed: int = 3, frames: int | None = None) -> torch.Tensor:
+    frames = frames or FRAMES[name]
+    shape = (1, 4, height, width) if FRAMES[name] is None else (1, 4, frames, height, width)
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, break_halo: bool = False):
+def small_tiles(vae, tile: int) -> dict:
+    """``enable_tiling``'s arguments for square tiles of ``tile`` pixels overlapping by half: diffusers' VAEs give
+    the overlap either as such (MiniMax-H3) or as the stride between tiles (Wan, Qwen-Image)."""
+    import inspect
+
+    step = "min_overlap" if "tile_sample_min_overlap_height" in inspect.signature(vae.enable_tiling).parameters \
+        else "stride"
+    return {"tile_sample_min_height": tile, "tile_sample_min_width": tile,
+            f"tile_sample_{step}_height": tile // 2, f"tile_sample_{step}_width": tile // 2}
+
+
+def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, break_halo: bool = False,
+                    tile: int | None = None):
     """On every rank: the VAE's decode partitioned over a ring of ``world`` (rows split along height) against the
-    whole decode; (max error, max magnitude, halo convolutions, sharded group norms). ``break_halo``: the negative
-    control, every halo exchange's borrowed rows replaced by zeros (the convolutions' padding)."""
+    whole decode; (max error, max magnitude, halo convolutions, sharded group norms, ring attentions).
+    ``break_halo``: the negative control, every halo exchange's borrowed rows replaced by zeros (the convolutions'
+    padding). ``tile``: the VAE's own tiled decode, tiles of ``tile`` pixels overlapping by half (the partitioned
+    decode follows the tiles)."""
     from collections import Counter
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -46,6 +92,8 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
     from partitioner.runtime import collectives
 
     vae = VAES[name]()
+    if tile:
+        vae.enable_tiling(**small_tiles(vae, tile))
     z = latents(name, height, width)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
     partitioned = partitioner.partition(vae, mesh, ((z,), {"return_dict": False}), method="decode")
@@ -61,4 +109,4 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
     with torch.no_grad():
         expected = vae.decode(z).sample
     return ((out - expected).abs().max().item(), expected.abs().max().item(), kernels["halo_convolution"],
-            kernels["sharded_group_norm"])
+            kernels["sharded_group_norm"], kernels["ring_attention"])
