@@ -9,10 +9,10 @@ import torch
 from partitioner import partition
 from partitioner.testing import TINY_H3, h3_inputs, tiny_h3
 
-PASSES = ["00_export", "01_hoist_host", "02_pad_inputs", "03_gather_scatters", "04_pointwise_convs",
-          "05_annotate_heads", "06_plan_sharding", "07_plan_sequence", "08_plan_batch", "09_plan_tp_sequence",
-          "10_insert_collectives", "11_collective_kernels", "12_localize", "13_chunk_reductions",
-          "14_schedule_collectives"]
+PASSES = ["00_export", "01_hoist_host", "02_pad_inputs", "03_gather_scatters", "04_fold_conv_padding",
+          "05_pointwise_convs", "06_annotate_heads", "07_plan_sharding", "08_plan_sequence", "09_plan_batch",
+          "10_plan_tp_sequence", "11_insert_collectives", "12_collective_kernels", "13_localize",
+          "14_chunk_reductions", "15_schedule_collectives"]
 TP = 2
 
 
@@ -49,13 +49,13 @@ def test_dump_files_exist(dumped):
 
 def test_plan_sharding_dump_has_placements(dumped):
     """The plan_sharding dump annotates values with `# tp=S(` placements; the export dump has none."""
-    assert "# tp=S(" in (dumped[1] / "06_plan_sharding.py").read_text()
+    assert "# tp=S(" in (dumped[1] / "07_plan_sharding.py").read_text()
     assert "# tp=" not in (dumped[1] / "00_export.py").read_text()
 
 
 def test_insert_collectives_diff_adds_all_reduces(dumped):
     """The insert_collectives diff adds one all_reduce per row-wise Linear, and removes none."""
-    diff = (dumped[1] / "10_insert_collectives.diff").read_text().splitlines()
+    diff = (dumped[1] / "11_insert_collectives.diff").read_text().splitlines()
     added = [line for line in diff if line.startswith("+") and "_c10d_functional.all_reduce.default(" in line]
     removed = [line for line in diff if line.startswith("-") and "all_reduce" in line]
     assert len(added) == len(_rowwise(dumped[0])) > 0
@@ -66,7 +66,7 @@ def test_summary_txt(dumped):
     """The summary has node count, collectives and per-rank parameter bytes, and agrees with the report."""
     partitioned, directory = dumped
     report = partitioned.report()
-    final = (directory / "14_schedule_collectives.txt").read_text()
+    final = (directory / "15_schedule_collectives.txt").read_text()
     assert f"nodes: {len(partitioned.graph_module.graph.nodes)}\n" in final
     assert f"collectives: all_reduce[tp] x{len(_rowwise(partitioned))}\n" in final
     assert f"parameter bytes per rank: {report.total_parameter_bytes} (float32=" in final
@@ -79,8 +79,8 @@ def test_localize_dump_shows_per_rank_shapes(dumped, model):
     """After localize a q projection weight has rank shapes ([32, 48] of [64, 48] at tp=2); before, global ones."""
     out_features, in_features = model.transformer_blocks[0].attn.to_q.weight.shape
     name = "p_transformer_blocks_0_attn_to_q_weight"
-    local = (dumped[1] / "12_localize.py").read_text()
-    planned = (dumped[1] / "06_plan_sharding.py").read_text()
+    local = (dumped[1] / "13_localize.py").read_text()
+    planned = (dumped[1] / "07_plan_sharding.py").read_text()
     assert f'{name}: "f32[{out_features // TP}, {in_features}]"' in local
     assert f'{name}: "f32[{out_features}, {in_features}]"' in planned
 

@@ -375,15 +375,15 @@ def test_backend_checks_option_is_validated(checks):
 
 def test_offline_checks_with_padding_and_dump(tmp_path, every_attention_large):
     """backend_checks={"neuron": {"pad_sequence": True}} passes where plain checks fail on the length, and the
-    legalised graph is dumped after the passes as 15_neuron_legalize, diffed against 14_schedule_collectives."""
+    legalised graph is dumped after the passes as 16_neuron_legalize, diffed against 15_schedule_collectives."""
     model, inputs = tiny_h3(), h3_inputs(TINY_H3)
     with pytest.raises(NeuronLegalityError, match="packed length 23 is not a multiple of 512"):
         partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks="neuron")
     partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks={"neuron": {"pad_sequence": True}},
                           dump_dir=tmp_path)
-    code, diff = (tmp_path / "15_neuron_legalize.py").read_text(), (tmp_path / "15_neuron_legalize.diff").read_text()
+    code, diff = (tmp_path / "16_neuron_legalize.py").read_text(), (tmp_path / "16_neuron_legalize.diff").read_text()
     assert "aten.constant_pad_nd" in code and "aten.index_put" in code and 'video_indices: "i32[12]"' in code
-    assert "+++ 15_neuron_legalize" in diff and (tmp_path / "14_schedule_collectives.py").exists()
+    assert "+++ 16_neuron_legalize" in diff and (tmp_path / "15_schedule_collectives.py").exists()
 
 
 def test_full_size_h3_padded_checks():

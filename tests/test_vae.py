@@ -1,4 +1,4 @@
-"""A VAE's decode partitioned over a ring of gloo ranks, rows split along height, against the single-device decode.
+"""A VAE's decode and encode partitioned over a ring of gloo ranks, rows split along height, against one device.
 
 ``partition(vae, mesh, example, method="decode")`` traces ``decode``; every convolution over the split rows becomes a
 halo exchange with the two neighbours, every group norm combines its statistics across the ranks, nearest upsampling
@@ -25,7 +25,8 @@ from partitioner.rules import Unshardable
 from partitioner.rules.spatial import nearest_upsampling
 from partitioner.placement import PackedShard, Shard
 from partitioner.testing import RankPool
-from partitioner.testing.vaes import decode_on_ranks, latents, tiny_autoencoder_kl, tiny_minimax_h3_vae, tiny_wan_vae
+from partitioner.testing.vaes import (decode_on_ranks, encode_on_ranks, latents, tiny_autoencoder_kl,
+                                       tiny_minimax_h3_vae, tiny_wan_vae)
 
 TOLERANCE = 1e-5
 
@@ -56,6 +57,17 @@ def test_decode_is_exact_on_every_rank(pools, name, world, height, width, tile):
             assert halos > 0, "no convolution ran over split rows"
     if name == "autoencoder_kl":
         assert all(group_norms > 0 for *_, group_norms, _ in results)
+
+
+@pytest.mark.parametrize("name, world, height, width", [
+    ("autoencoder_kl", 2, 14, 6), ("autoencoder_kl", 4, 18, 6), ("wan", 2, 14, 6)],
+    ids=["kl-2-odd", "kl-4-odd", "wan-2-odd"])
+def test_encode_is_exact_on_every_rank(pools, name, world, height, width):
+    """Image rows split in whole pairs (the downsampling's stride): 14 rows are 7 latent rows, 4 + 3 over 2 ranks
+    (8 + 6 image rows), 18 are 9, 3 + 2 + 2 + 2 over 4."""
+    for rank, (error, magnitude, halos) in enumerate(pools[world].run(encode_on_ranks, name, height, width)):
+        assert magnitude > 0.1 and halos > 0
+        assert error <= TOLERANCE, f"rank {rank}: {error}"
 
 
 def test_negative_control_without_the_halo_exchange_is_wrong(pools):

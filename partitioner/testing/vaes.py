@@ -66,6 +66,29 @@ def latents(name: str, height: int, width: int, seed: int = 3, frames: int | Non
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def images(name: str, height: int, width: int, seed: int = 4, frames: int = 5) -> torch.Tensor:
+    """What ``encode`` takes: an image (a video of ``frames`` frames for a video VAE)."""
+    shape = (1, 3, height, width) if FRAMES[name] is None else (1, 3, frames, height, width)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def encode_on_ranks(rank: int, world: int, name: str, height: int, width: int):
+    """On every rank: the VAE's encode partitioned over a ring of ``world`` (image rows split along height, in
+    whole groups of the downsampling strides) against the whole encode; (max error of the latent distribution's
+    mean and std, max magnitude, halo convolutions)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import partitioner
+
+    vae, x = VAES[name](), images(name, height, width)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
+    partitioned = partitioner.partition(vae, mesh, ((x,), {}), method="encode")
+    with torch.no_grad():
+        out, expected = partitioned.compile()(x).latent_dist, vae.encode(x).latent_dist
+    error = max((out.mean - expected.mean).abs().max().item(), (out.std - expected.std).abs().max().item())
+    return error, expected.mean.abs().max().item(), partitioned.collective_counts()[("halo_exchange", "ring")]
+
+
 def small_tiles(vae, tile: int) -> dict:
     """``enable_tiling``'s arguments for square tiles of ``tile`` pixels overlapping by half: diffusers' VAEs give
     the overlap either as such (MiniMax-H3) or as the stride between tiles (Wan, Qwen-Image)."""
