@@ -9,6 +9,8 @@ denoising step's latents and the decoded output are compared with the unpartitio
 (1e-4: float32 with sums reordered; measured at most 3e-6). Under Ulysses every attention of every program must be
 sequence-sharded: an exact but replicated run is no parallelism. A second request at another resolution (or video
 length) is served by one shape specialisation per denoiser, counted on ``pipe.transformer.specializations``.
+Every VAE of every pipeline (H3: video and audio) is partitioned too, its decode split over every rank of the mesh
+(halo exchanges or ring attention counted on each rank), and the decoded output is compared as above.
 Ranks seeded differently are refused on every rank (input fingerprints); with the fingerprints off they must come
 out different (the negative control). Two gloo pools serve every case.
 """
@@ -30,8 +32,7 @@ CASES = [(name, mode) for name in ("flux", "sd3", "wan", "qwen_image", "h3")
          for mode in ("tp2", "ulysses2", "tp2xulysses2")] + [("sd3", "cfg2"), ("sd3", "cfg2xtp2")]
 SECOND_REQUEST = "ulysses2"  # the mode in which each pipeline also serves a request at another size
 TWO_EXPERTS = ("wan", "tp2")  # Wan 2.2's two experts (transformer, then transformer_2) in one mode, one elsewhere
-OPTIONS = {"h3": dict(buckets={"timestep": 4})}
-VAE_SPLIT = ("flux", "sd3", "wan", "qwen_image")  # pipelines whose VAE decode parallelize splits along height (docs/vae.md)  # H3's row timestep table: 1 to 4 rows per step, padding unread
+OPTIONS = {"h3": dict(buckets={"timestep": 4})}  # H3's row timestep table: 1 to 4 rows per step, padding unread
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,7 @@ def _denoisers(pipe) -> dict:
 
 def _end_to_end(rank, world, name, shape, names, second_request, experts):
     import partitioner
+    from partitioner.runtime.pipelines import autoencoders
     from partitioner.testing.pipelines import OTHER_SIZE, run
 
     reference = _build(name, experts)
@@ -86,10 +88,13 @@ def _end_to_end(rank, world, name, shape, names, second_request, experts):
     if second_request:
         result["second"] = _errors(run(pipe, name, **OTHER_SIZE[name]), run(reference, name, **OTHER_SIZE[name]))
     result["denoisers"] = _denoisers(pipe)
-    decode = getattr(getattr(pipe, "vae", None), "__dict__", {}).get("decode")
-    result["vae"] = None if decode is None else dict(
-        partitioned=decode.partitioned is not None, whole_because=decode.whole_because,
-        halos=decode.partitioned.collective_counts()[("halo_exchange", "ring")] if decode.partitioned else 0)
+    result["vaes"] = {}
+    for name in autoencoders(pipe):
+        decode = vars(getattr(pipe, name)).get("decode")
+        counts = decode.partitioned.collective_counts() if decode.partitioned else {}
+        result["vaes"][name] = dict(partitioned=decode.partitioned is not None, whole_because=decode.whole_because,
+                                    split=sum(n for (kind, axis), n in counts.items()
+                                              if kind in ("halo_exchange", "ring_pass")))
     return result
 
 
@@ -113,8 +118,10 @@ def test_pipeline_matches_the_unpartitioned_pipeline_on_every_rank(pools, name, 
                 assert found["specializations"] == 1, (component, found)
         if mode == SECOND_REQUEST:
             assert max(result["second"]) <= TOLERANCE, (rank, result["second"])
-        if name in VAE_SPLIT:  # every rank of the mesh decodes its rows of the image (or frames)
-            assert result["vae"]["partitioned"] and result["vae"]["halos"] > 0, result["vae"]
+        # every rank of the mesh decodes its rows of the image (or frames; H3: also of the audio)
+        assert sorted(result["vaes"]) == (["audio_vae", "vae"] if name == "h3" else ["vae"]), result["vaes"]
+        for component, found in result["vaes"].items():
+            assert found["partitioned"] and found["split"] > 0, (component, found)
 
 
 def _refused_cfg(rank, world):

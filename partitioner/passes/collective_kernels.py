@@ -25,12 +25,13 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
-from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, padding_pairs
+from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, padding_pairs
 from ..runtime import collectives
 from .context import PassContext
 from .insert_collectives import axis_sizes, rekey, split_size
 
 aten = torch.ops.aten
+_HALOS = (collectives.halo_convolution, collectives.halo_transposed_convolution)
 _ATTENTION = aten.scaled_dot_product_attention.default
 R = Replicate()
 
@@ -51,7 +52,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
         if node.target is _ATTENTION and any(is_sharded(required.get(axis, {}).get(node.args[1], R))
                                              for axis in RING_AXES):
             raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
-        if node.target in GROUPS_ARGUMENT and node.target is not collectives.halo_convolution:
+        if node.target in GROUPS_ARGUMENT and node.target not in _HALOS:
             if any(halo_rows(node, p.dim) != (0, 0) for p in _spatial_axes(node).values()):
                 raise InvariantError(f"{node.name}: a convolution over split rows is not a halo_convolution")
         if node.target is aten.group_norm.default and _spatial_axes(node):
@@ -138,7 +139,7 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
     """A convolution whose input rows a sequence axis splits along a spatial dim becomes
     ``collectives.halo_convolution``: each rank borrows the kernel's reach of rows from its two neighbours."""
     for node in gm.graph.nodes:
-        if node.target not in GROUPS_ARGUMENT or node.target is collectives.halo_convolution:
+        if node.target not in GROUPS_ARGUMENT or node.target in _HALOS:
             continue
         x, spatial = node.args[0], _spatial_axes(node)
         if not spatial:
@@ -151,13 +152,18 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
         rows = halo_rows(node, placement.dim)
         if rows == (0, 0):  # a kernel of one row along the split dim: each rank's rows suffice
             continue
-        stride, _, dilation, _ = conv_arguments(node)
-        padding = padding_pairs(node)
-        padding[placement.dim - 2] = list(rows)
+        stride, plain_padding, dilation, transposed = conv_arguments(node)
         bias, groups = node.args[2] if len(node.args) > 2 else None, groups_of(node)
-        node.target = collectives.halo_convolution
-        node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim,
-                     ctx.mesh.coordinate(axis), ctx.mesh.size(axis), ctx.mesh.group_name(axis))
+        ring = (ctx.mesh.coordinate(axis), ctx.mesh.size(axis), ctx.mesh.group_name(axis))
+        if transposed:
+            node.target = collectives.halo_transposed_convolution
+            node.args = (x, node.args[1], bias, stride, plain_padding, output_padding_of(node), groups, dilation,
+                         placement.dim, *rows, *ring)
+        else:
+            padding = padding_pairs(node)
+            padding[placement.dim - 2] = list(rows)
+            node.target = collectives.halo_convolution
+            node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim, *ring)
         node.kwargs = {}
         node.meta["collective"] = ("halo_exchange", axis)
 

@@ -64,6 +64,7 @@ class PassContext:
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
     sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
     sequence_whole: dict[str, str] = field(default_factory=dict)  # attention module left whole -> the first reason
+    sequence_idle: list[str] = field(default_factory=list)  # sequence axes (of size > 1) that split no value
     sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
     sequence_seeds_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # per sequence axis
     batch_split: dict[str, str] = field(default_factory=dict)  # input -> split along the batch, or why not (dp)

@@ -69,6 +69,22 @@ def _candidates(rows: SequenceDims, feeds_attention: set[Node], parts: bool) -> 
             and (parts or node in rows.direct)}
 
 
+def _convolved_rows(gm: GraphModule, model_tensors: set[Node]) -> dict[Node, int]:
+    """Without an attention to read rows from (a VAE with no mid-block attention, an audio VAE): the input of
+    every convolution, split along its height (its first spatial dim of the last two; a 1D signal's time), so that
+    a convolutional network is split as its attention-bearing kind is. An op that cannot carry the split gathers
+    its input; the next convolution's input is split again."""
+    from ..rules.conv import GROUPS_ARGUMENT
+
+    seeds = {}
+    for node in gm.graph.nodes:
+        x = node.args[0] if node.target in GROUPS_ARGUMENT and node.args else None
+        shape = shape_of(x) if isinstance(x, Node) and x not in model_tensors else None
+        if shape is not None and len(shape) >= 3:
+            seeds[x] = max(2, len(shape) - 2)
+    return seeds
+
+
 def _seed_rows(rows: SequenceDims, gm: GraphModule):
     """For each seed, what its rows feed (the attentions they reach and all they read: its ``own`` values), so that a
     value sharded along them is gathered only after the last of those attentions."""
@@ -194,6 +210,11 @@ def attention_counts(ctx: PassContext) -> tuple[int, int]:
 def warn_whole_attentions(ctx: PassContext, stacklevel: int = 3) -> None:
     """One ``PartitionWarning`` when attentions are left whole over a sequence axis: an exact run that shards
     nothing is no parallelism, and says so unasked (``partition`` and ``plan`` call this)."""
+    if ctx.sequence_idle:
+        warnings.warn(" and ".join(f"{axis}={ctx.mesh.size(axis)}" for axis in ctx.sequence_idle)
+                      + " splits no value of this model: every rank repeats the whole computation (the result is "
+                      "exact). No attention's rows or convolution's height reach an op that carries them split; "
+                      "drop the axis, or see explain() and docs/vae.md", PartitionWarning, stacklevel=stacklevel)
     if not ctx.sequence_whole:
         return
     axes = " x ".join(f"{a}={ctx.mesh.size(a)}" for a in ctx.mesh.axis_names
@@ -223,7 +244,8 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     given = (ctx.given_sequence_seeds_by_axis or {}).get(axis, ctx.given_sequence_seeds)
     if ctx.mesh.size(axis) > 1:
         seeds = (_given_seeds(gm, given) if given is not None
-                 else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts))
+                 else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts)
+                 or _convolved_rows(gm, model_tensors))
     refused: dict[Node, str] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
     own = _seed_rows(rows, gm)
@@ -259,6 +281,8 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
         node.meta["placements"][axis] = decisions[node].output
         node.meta["required"][axis] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
+    if ctx.mesh.size(axis) > 1 and not any(any_sharded(d.output) for d in decisions.values()):
+        ctx.sequence_idle.append(axis)
 
 
 def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:

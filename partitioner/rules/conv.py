@@ -22,11 +22,13 @@ from ..runtime import collectives
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, shape_of, with_dim
 
 aten = torch.ops.aten
+_TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
-          collectives.padded_convolution)
+          collectives.padded_convolution, *_TRANSPOSED)
 # where each convolution op takes its number of groups
 GROUPS_ARGUMENT = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
-                   aten.convolution.default: 8, collectives.halo_convolution: 6, collectives.padded_convolution: 6}
+                   aten.convolution.default: 8, collectives.halo_convolution: 6, collectives.padded_convolution: 6,
+                   **{op: 6 for op in _TRANSPOSED}, collectives.halo_transposed_convolution: 6}
 
 
 def conv_arguments(node: Node) -> tuple[list[int], list[int], list[int], bool]:
@@ -38,10 +40,21 @@ def conv_arguments(node: Node) -> tuple[list[int], list[int], list[int], bool]:
         return _per_dim(stride, spatial), [before for before, _ in padding], _per_dim(dilation, spatial), False
     if node.target is aten.convolution.default:
         stride, padding, dilation, transposed = node.args[3:7]
+    elif node.target in _TRANSPOSED:  # (input, weight, bias, stride, padding, output_padding, groups, dilation)
+        stride, padding, dilation = [(node.args[i] if len(node.args) > i else default)
+                                     for i, default in ((3, 1), (4, 0), (7, 1))]
+        transposed = True
     else:
         stride, padding, dilation = (*node.args[3:6], *(1, 0, 1)[len(node.args[3:6]):])
         transposed = False
     return _per_dim(stride, spatial), _per_dim(padding, spatial), _per_dim(dilation, spatial), transposed
+
+
+def output_padding_of(node: Node) -> list[int]:
+    """A transposed convolution's extra output rows at the end of each spatial dim."""
+    spatial = len(shape_of(node.args[0])) - 2
+    index = 7 if node.target is aten.convolution.default else 5
+    return _per_dim(node.args[index] if len(node.args) > index else 0, spatial)
 
 
 def padding_pairs(node: Node) -> list[list[int]]:
@@ -105,8 +118,9 @@ def split_rows(node: Node, placement, axis_size: int):
     x, dim = node.args[0], placement.dim
     size, out, spatial = shape_of(x)[dim], shape_of(node)[dim], dim - 2
     stride = conv_arguments(node)[0][spatial]
-    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or conv_arguments(node)[3] \
-            or out * stride != size:
+    if conv_arguments(node)[3] and not (isinstance(placement, PackedShard) and len(placement.blocks) > 1):
+        return _split_rows_transposed(node, placement, axis_size)
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or out * stride != size:
         raise Unshardable(f"convolution over the sharded spatial dim {dim} maps {size} rows to {out} (stride "
                           f"{stride}, padding {padding_pairs(node)[spatial]}): not each rank's rows / stride")
     before, after = halo_rows(node, dim)
@@ -133,13 +147,35 @@ def split_rows(node: Node, placement, axis_size: int):
     return result
 
 
+def _split_rows_transposed(node: Node, placement, axis_size: int):
+    """A transposed convolution (upsampling by its stride) over split input rows: each rank computes the
+    ``rows * stride`` output rows of its own rows, from its rows and those its neighbours lend (``halo_rows``)."""
+    dim = placement.dim
+    size, out, spatial = shape_of(node.args[0])[dim], shape_of(node)[dim], dim - 2
+    stride, padding, dilation, _ = conv_arguments(node)
+    before, after = halo_rows(node, dim)
+    reach = dilation[spatial] * (shape_of(node.args[1])[dim] - 1)
+    if out != size * stride[spatial] or before < 0 or padding[spatial] > (after - 1) * stride[spatial] + reach + 1:
+        raise Unshardable(f"transposed convolution over the sharded spatial dim {dim} maps {size} rows to {out} "
+                          f"(stride {stride[spatial]}, padding {padding[spatial]}): not each rank's rows x stride")
+    widths = shard_widths(placement, size, axis_size)
+    if min(widths) < max(before, after):
+        raise Unshardable(f"transposed convolution over the sharded spatial dim {dim}: {size} rows split {widths}, "
+                          f"fewer on some rank than the {max(before, after)} its neighbour borrows")
+    unit = unit_of(placement) if isinstance(placement, PackedShard) or size % axis_size else size // axis_size
+    return packed_shard(dim, (out,), unit * stride[spatial], axis_size)
+
+
 def halo_rows(node: Node, dim: int) -> tuple[int, int]:
     """(rows before, rows after) a rank's own rows along ``dim`` that its output rows read: the padding before
     them, and what the kernel reaches past the last stride step."""
     spatial = dim - 2
-    stride, _, dilation, _ = conv_arguments(node)
+    stride, _, dilation, transposed = conv_arguments(node)
     before = padding_pairs(node)[spatial][0]
     reach = dilation[spatial] * (shape_of(node.args[1])[dim] - 1)
+    if transposed:  # input rows whose kernels reach this rank's first output row, and its last
+        step = stride[spatial]
+        return (reach - before) // step, (step - 1 + before) // step
     return before, reach + 1 - stride[spatial] - before
 
 
@@ -148,6 +184,9 @@ def halo_rows(node: Node, dim: int) -> tuple[int, int]:
 @register_factory(aten.conv3d.default, axis="sequence")
 @register_factory(aten.convolution.default, axis="sequence")
 @register_factory(collectives.padded_convolution, axis="sequence")
+@register_factory(aten.conv_transpose1d.default, axis="sequence")
+@register_factory(aten.conv_transpose2d.input, axis="sequence")
+@register_factory(aten.conv_transpose3d.input, axis="sequence")
 def make_sequence_convolution(roles, axis: str | None = None):
     """Over ring and ulysses a convolution borrows its neighbours' rows; over other axes that use the sequence
     rules (tp's rows between its regions, a batch axis, bucket padding) a sharded spatial dim is Unshardable."""

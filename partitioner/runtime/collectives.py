@@ -218,21 +218,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out.to(q.dtype)
 
 
-def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
-                     padding: list[list[int]], dilation: list[int], groups: int, dim: int, index: int, ranks: int,
-                     group_name: str) -> torch.Tensor:
-    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), each
-    rank computing the output rows of its own rows (``rows / stride`` of them). ``padding``: ``[before, after]`` per
-    spatial dim. Along ``dim`` a rank reads ``before`` rows ahead of its own (the previous rank's last; zeros, the
-    convolution's padding, on the first rank) and ``after`` rows past them (the next rank's first; zeros on the
-    last), all borrowed in one all_to_all_single whose only non-empty pieces go to and come from the two
-    neighbours (a halo exchange).
-
-    A same-size convolution (stride 1, the same padding on both sides of every dim) runs on this rank's rows with
-    its own zero padding, and only the edge rows facing a neighbour are computed again from the borrowed rows, in
-    place: no padded copy of the input is made (at a VAE's full resolution that copy would be this rank's largest
-    buffer). Others (strided downsampling) convolve this rank's rows with the borrowed ones around them."""
-    rows, (before, after) = x.shape[dim], padding[dim - 2]
+def _borrow_rows(x: torch.Tensor, dim: int, before: int, after: int, index: int, ranks: int,
+                 group_name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``before`` rows ahead of this rank's own along ``dim`` (the previous rank's last) and the ``after`` rows
+    past them (the next rank's first), None at the image's edges: one all_to_all_single whose only non-empty pieces
+    go to and come from the two neighbours (a halo exchange)."""
+    rows = x.shape[dim]
     came = {index - 1: before if index > 0 else 0, index + 1: after if index + 1 < ranks else 0}
     sent = {index - 1: after if index > 0 else 0, index + 1: before if index + 1 < ranks else 0}  # what each needs
     inner = x.numel() // rows
@@ -241,12 +232,42 @@ def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     received = functional.wait_tensor(functional.all_to_all_single(
         send, [came.get(r, 0) * inner for r in range(ranks)], [sent.get(r, 0) * inner for r in range(ranks)],
         group_name))
-    pieces = dict(zip((index - 1, index + 1), received.split([came[index - 1] * inner, came[index + 1] * inner])))
+    pieces = received.split([came[index - 1] * inner, came[index + 1] * inner])
 
-    def borrowed(rank: int, count: int) -> torch.Tensor:
+    def shaped(piece: torch.Tensor, count: int) -> torch.Tensor | None:
         shape = list(x.shape)
         shape[dim] = count
-        return pieces[rank].view(shape) if came[rank] else x.new_zeros(shape)
+        return piece.view(shape) if count else None
+    return shaped(pieces[0], came[index - 1]), shaped(pieces[1], came[index + 1])
+
+
+def _around(x: torch.Tensor, dim: int, ahead: torch.Tensor | None, behind: torch.Tensor | None, before: int,
+            after: int) -> torch.Tensor:
+    """``x`` with the borrowed rows around it along ``dim`` (zeros where there is no neighbour)."""
+    def rows(piece, count):
+        if piece is not None:
+            return piece
+        shape = list(x.shape)
+        shape[dim] = count
+        return x.new_zeros(shape)
+    return torch.cat([rows(ahead, before), x, rows(behind, after)], dim)
+
+
+def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                     padding: list[list[int]], dilation: list[int], groups: int, dim: int, index: int, ranks: int,
+                     group_name: str) -> torch.Tensor:
+    """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), each
+    rank computing the output rows of its own rows (``rows / stride`` of them). ``padding``: ``[before, after]`` per
+    spatial dim. Along ``dim`` a rank reads ``before`` rows ahead of its own (the previous rank's last; zeros, the
+    convolution's padding, on the first rank) and ``after`` rows past them (the next rank's first; zeros on the
+    last), borrowed in one halo exchange (``_borrow_rows``).
+
+    A same-size convolution (stride 1, the same padding on both sides of every dim) runs on this rank's rows with
+    its own zero padding, and only the edge rows facing a neighbour are computed again from the borrowed rows, in
+    place: no padded copy of the input is made (at a VAE's full resolution that copy would be this rank's largest
+    buffer). Others (strided downsampling) convolve this rank's rows with the borrowed ones around them."""
+    rows, (before, after) = x.shape[dim], padding[dim - 2]
+    ahead, behind = _borrow_rows(x, dim, before, after, index, ranks, group_name)
 
     def convolve(rows_in: torch.Tensor, pad: list[int]) -> torch.Tensor:
         return torch.ops.aten.convolution.default(rows_in, weight, bias, stride, pad, dilation, False,
@@ -255,19 +276,36 @@ def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     symmetric = [p if p == q else None for p, q in padding]
     if stride[dim - 2] != 1 or None in symmetric or rows < 2 * before:
         others = [side for d, pair in reversed(list(enumerate(padding))) for side in (pair if d != dim - 2 else (0, 0))]
-        rows_in = torch.cat([borrowed(index - 1, before), x, borrowed(index + 1, after)], dim)
+        rows_in = _around(x, dim, ahead, behind, before, after)
         return convolve(torch.ops.aten.constant_pad_nd.default(rows_in, others, 0.0) if any(others) else rows_in,
                         [0] * len(padding))
     unpadded = list(symmetric)
     unpadded[dim - 2] = 0
     out = convolve(x, symmetric)  # right but for the edge rows that face a neighbour
-    if came[index - 1]:
-        edge = torch.cat([borrowed(index - 1, before), x.narrow(dim, 0, 2 * before)], dim)
-        out.narrow(dim, 0, before).copy_(convolve(edge, unpadded))
-    if came[index + 1]:
-        edge = torch.cat([x.narrow(dim, rows - 2 * after, 2 * after), borrowed(index + 1, after)], dim)
+    if ahead is not None:
+        out.narrow(dim, 0, before).copy_(convolve(torch.cat([ahead, x.narrow(dim, 0, 2 * before)], dim), unpadded))
+    if behind is not None:
+        edge = torch.cat([x.narrow(dim, rows - 2 * after, 2 * after), behind], dim)
         out.narrow(dim, rows - after, after).copy_(convolve(edge, unpadded))
     return out
+
+
+def halo_transposed_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                stride: list[int], padding: list[int], output_padding: list[int], groups: int,
+                                dilation: list[int], dim: int, before: int, after: int, index: int, ranks: int,
+                                group_name: str) -> torch.Tensor:
+    """A transposed convolution (upsampling by ``stride``) along ``dim``, whose input rows are split in order over
+    ranks: each rank computes the ``rows * stride`` output rows of its own rows. Those also receive from the
+    ``before`` input rows ahead of its own and the ``after`` rows past them (borrowed from its neighbours; no rows,
+    so nothing, past the signal's ends): the transposed convolution runs unpadded along ``dim`` over them all and
+    this rank's output rows are cut from the result."""
+    rows, step, pad = x.shape[dim], stride[dim - 2], padding[dim - 2]
+    ahead, behind = _borrow_rows(x, dim, before, after, index, ranks, group_name)
+    unpadded, no_extra = list(padding), list(output_padding)
+    unpadded[dim - 2] = no_extra[dim - 2] = 0
+    out = torch.ops.aten.convolution.default(_around(x, dim, ahead, behind, before, after), weight, bias, stride,
+                                             unpadded, dilation, True, no_extra, groups)
+    return out.narrow(dim, pad + before * step, rows * step)
 
 
 def padded_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],

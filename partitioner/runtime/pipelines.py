@@ -5,6 +5,7 @@ pipeline has two experts; ``unet``) is swapped for a ``LazyPartition``: a stand-
 at its first call, with that call's inputs as the example (a pipeline's first denoising step), and serves every
 later call (``PartitionedModule``: shape specialisations for other steps and requests). A transformer built on the
 meta device is filled from ``checkpoint`` (each rank reads only its slices), so no rank ever holds the whole model.
+The VAEs' ``decode`` and ``encode`` are partitioned over every rank of the mesh at their first call (``runtime.vae``).
 
 The stand-in answers what pipelines and users read from a diffusers model: ``device`` (where the partition
 computes), ``dtype``, ``config``, ``cache_context`` (diffusers' ``CacheMixin``: a no-op, as it is when no cache hook
@@ -33,6 +34,7 @@ _READS = frozenset({
     "_get_no_split_modules",
 })
 _DENOISER = re.compile(r"(transformer|unet|denoiser)(_\w+)?")
+_VAE = re.compile(r"(\w+_)?vae")
 
 
 class LazyPartition(torch.nn.Module):
@@ -289,10 +291,19 @@ def _same_device(wanted: torch.device, actual: torch.device) -> bool:
 def denoisers(pipe) -> list[str]:
     """The pipeline's denoiser components: ``transformer``, ``transformer_2``, ``transformer_ref``, ``unet``, ... that
     hold a module (a pipeline's ``components``, or its attributes)."""
-    components = getattr(pipe, "components", None)
-    names = list(components) if isinstance(components, Mapping) else list(vars(pipe))
-    return [name for name in names if _DENOISER.fullmatch(name) and isinstance(getattr(pipe, name, None),
+    return [name for name in _components(pipe) if _DENOISER.fullmatch(name) and isinstance(getattr(pipe, name, None),
                                                                             torch.nn.Module)]
+
+
+def autoencoders(pipe) -> list[str]:
+    """The pipeline's VAE components: ``vae``, and ``audio_vae`` and the like (H3 decodes video and audio)."""
+    return [name for name in _components(pipe) if _VAE.fullmatch(name)
+            and isinstance(getattr(pipe, name, None), torch.nn.Module)]
+
+
+def _components(pipe) -> list[str]:
+    components = getattr(pipe, "components", None)
+    return list(components) if isinstance(components, Mapping) else list(vars(pipe))
 
 
 def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | None = None, checkpoint=None,
@@ -304,8 +315,8 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
     ``checkpoint``: where a model built on the meta device reads its slices: a model folder (one denoiser), a
     pipeline folder (each component from its subfolder) or ``{component: path}``. ``options`` go to ``partition``
     (``plan``, ``timeout``, ``buckets``, ...) and to ``LazyPartition`` (``backend``, ``compile_options``).
-    ``vae``: also partition ``pipe.vae``'s decode and encode over every rank of the mesh, rows split along height
-    (``runtime.vae``; on a DeviceMesh); ``False`` leaves it whole on every rank.
+    ``vae``: also partition the decode and encode of ``pipe.vae`` (and ``audio_vae`` and the like) over every rank
+    of the mesh, rows split along height (``runtime.vae``; on a DeviceMesh); ``False`` leaves them whole.
 
     Every rank runs the pipeline with the same inputs (its own random state is not shared: seed every rank alike).
     The pipeline's ``config`` keeps naming the models' classes; ``save_pretrained`` saves the pipeline while its
@@ -333,12 +344,12 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
             setattr(pipe, name, lazy)
         else:  # a diffusers pipeline's config keeps the model's class (its setattr would record the stand-in's)
             object.__setattr__(pipe, name, lazy)
-    autoencoder = getattr(pipe, "vae", None)
-    if vae and isinstance(autoencoder, torch.nn.Module):
+    if vae:
         from .vae import partition_vae
 
-        partition_vae(autoencoder, mesh, f"{owner}.vae", **{k: v for k, v in options.items()
-                                                             if k in ("backend", "compile_options", "timeout")})
+        for name in autoencoders(pipe):
+            partition_vae(getattr(pipe, name), mesh, f"{owner}.{name}",
+                          **{k: v for k, v in options.items() if k in ("backend", "compile_options", "timeout")})
     _guard_save(pipe)
     return pipe
 

@@ -55,14 +55,29 @@ def tiny_minimax_h3_vae(seed: int = 0):
     return vae.eval()
 
 
+def tiny_minimax_h3_audio_vae(seed: int = 0):
+    """AutoencoderKLMiniMaxH3Audio, H3's audio VAE (as the H3 pipeline test builds it): 1D convolutions over time,
+    weight-normed, upsampling by transposed convolutions; no attention."""
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    torch.manual_seed(seed)
+    return AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(2, 2), latent_dim=8, latent_channels=8, num_attention_heads=1, decoder_dim=8,
+        decoder_rates=(2, 2), decoder_kernel_sizes=(4, 4), resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),), latents_mean=[0.0] * 8, latents_std=[1.0] * 8).eval()
+
+
 VAES = {"autoencoder_kl": tiny_autoencoder_kl, "wan": tiny_wan_vae, "qwen_image": tiny_qwen_image_vae,
-        "minimax_h3": tiny_minimax_h3_vae}
-FRAMES = {"autoencoder_kl": None, "wan": 2, "qwen_image": 1, "minimax_h3": 5}  # latent frames (None: an image VAE)
+        "minimax_h3": tiny_minimax_h3_vae, "minimax_h3_audio": tiny_minimax_h3_audio_vae}
+# latent frames (None: an image VAE; 0: an audio VAE, whose latent is [batch, channels, time])
+FRAMES = {"autoencoder_kl": None, "wan": 2, "qwen_image": 1, "minimax_h3": 5, "minimax_h3_audio": 0}
 
 
 def latents(name: str, height: int, width: int, seed: int = 3, frames: int | None = None) -> torch.Tensor:
+    """A latent of ``height`` rows (an audio VAE's: ``height`` time steps, 8 channels)."""
     frames = frames or FRAMES[name]
-    shape = (1, 4, height, width) if FRAMES[name] is None else (1, 4, frames, height, width)
+    shape = ((1, 4, height, width) if FRAMES[name] is None else (1, 8, height) if FRAMES[name] == 0
+             else (1, 4, frames, height, width))
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
