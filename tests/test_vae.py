@@ -25,8 +25,8 @@ from partitioner.placement import PackedShard, Shard
 from partitioner.rules import Unshardable
 from partitioner.rules.spatial import nearest_upsampling
 from partitioner.testing import RankPool
-from partitioner.testing.vaes import (decode_on_ranks, encode_on_ranks, latents, tiny_autoencoder_kl,
-                                       tiny_minimax_h3_vae, tiny_wan_vae)
+from partitioner.testing.vaes import (decode_on_ranks, encode_on_ranks, latents, padded_net_on_ranks,
+                                       tiny_autoencoder_kl, tiny_minimax_h3_vae, tiny_wan_vae)
 
 TOLERANCE = 1e-5
 
@@ -70,6 +70,17 @@ def test_encode_is_exact_on_every_rank(pools, name, world, height, width):
     (8 + 6 image rows), 18 are 9, 3 + 2 + 2 + 2 over 4."""
     for rank, (error, magnitude, halos) in enumerate(pools[world].run(encode_on_ranks, name, height, width)):
         assert magnitude > 0.1 and halos > 0
+        assert error <= TOLERANCE, f"rank {rank}: {error}"
+
+
+@pytest.mark.parametrize("world, height", [(2, 28), (4, 36)])
+def test_reflect_replicate_strided_shuffled_and_transposed_rows_are_exact(pools, world, height):
+    """Reflect and replicate padding fill only the image's edges (the rows between ranks are the neighbours'), a
+    strided convolution and space-to-depth make the rows split in whole groups (28 rows: 16 + 12 over 2 ranks,
+    36: 12 + 8 + 8 + 8 over 4), depth-to-space and a transposed convolution scale them back; every convolution
+    runs on split rows (4 halo exchanges) and only the output is gathered."""
+    for rank, (error, magnitude, halos, gathers) in enumerate(pools[world].run(padded_net_on_ranks, height, 6)):
+        assert magnitude > 0.05 and (halos, gathers) == (4, 1), (rank, halos, gathers)
         assert error <= TOLERANCE, f"rank {rank}: {error}"
 
 

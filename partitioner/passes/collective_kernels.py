@@ -25,7 +25,8 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
-from ..rules.conv import GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, padding_pairs
+from ..rules.conv import (GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, pad_mode,
+                          padding_pairs)
 from ..runtime import collectives
 from .context import PassContext
 from .insert_collectives import axis_sizes, rekey, split_size
@@ -162,8 +163,10 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
         else:
             padding = padding_pairs(node)
             padding[placement.dim - 2] = list(rows)
+            mode = pad_mode(node)
             node.target = collectives.halo_convolution
-            node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim, *ring)
+            node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim, *ring,
+                         *((mode,) if mode != "constant" else ()))
         node.kwargs = {}
         node.meta["collective"] = ("halo_exchange", axis)
 

@@ -9,8 +9,10 @@ is zero padding.
 - padding equal on both sides of a spatial dim becomes the convolution's ``padding`` there;
 - padding that differs on the two sides of a dim the convolution strides over (downsampling) makes the pair one
   ``collectives.padded_convolution`` (its padding ``[before, after]`` per dim);
-- one-sided padding of a dim of stride 1 (a causal time dim) stays a pad op before the convolution, as does any
-  other padding mode or a pad of the batch or channel dims.
+- replicate or reflect padding (H3's encoder, BigVGAN's filters) makes the pair one ``padded_convolution`` of
+  that mode: over split rows only the image's edges are padded so, the rows between ranks are the neighbours';
+- one-sided zero padding of a dim of stride 1 (a causal time dim) stays a pad op before the convolution, as does
+  a pad of the batch or channel dims.
 
 Requires: nothing. Guarantees: no convolution reads a zero pad op it could take as its own padding.
 """
@@ -23,6 +25,7 @@ from torch.fx import GraphModule, Node
 from ..errors import InvariantError
 from ..rules.conv import conv_arguments, groups_of
 from ..runtime import collectives
+from ..runtime.collectives import PAD_MODES
 from .context import PassContext
 
 aten = torch.ops.aten
@@ -30,32 +33,40 @@ _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.co
 _PADDING_ARGUMENT = 4  # aten.convolution's (input, weight, bias, stride, padding, ...)
 
 
-def _zero_pads(node: Node) -> list[int] | None:
-    """The ``[last_before, last_after, ...]`` pads of a constant zero pad op, else None."""
+def _pads(node: Node) -> tuple[list[int], str] | None:
+    """The ``[last_before, last_after, ...]`` pads of a pad op and its mode ("constant": zeros, "replicate",
+    "reflect"), else None (another constant, another mode)."""
     if node.op != "call_function":
         return None
+    mode = "constant"
     if node.target is aten.constant_pad_nd.default:
         value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
     elif node.target is aten.pad.default:
         mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
         value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
-        if mode != "constant":
-            return None
     else:
         return None
-    return list(node.args[1]) if value in (0, 0.0, None) else None
+    return (list(node.args[1]), mode) if value in (0, 0.0, None) and mode in PAD_MODES else None
 
 
-def folds(conv: Node) -> tuple[list[list[int]], list[int]] | None:
-    """For a convolution reading a zero pad: ``[before, after]`` padding of each spatial dim once the foldable pads
-    are its own, and the pads left to a pad op (all zero: none). None when nothing folds."""
+def folds(conv: Node) -> tuple[list[list[int]], list[int], str] | None:
+    """For a convolution reading a pad: ``[before, after]`` padding of each spatial dim once the foldable pads
+    are its own, the pads left to a pad op (all zero: none), and the padding's mode. None when nothing folds.
+    Replicate and reflect padding fold whole (into a ``padded_convolution``) or not at all."""
     if conv.target not in _CONVS or not isinstance(conv.args[0], Node) or conv.kwargs or conv_arguments(conv)[3]:
         return None
-    pads = _zero_pads(conv.args[0])
+    found = _pads(conv.args[0])
     spatial = len(conv.args[0].meta["val"].shape) - 2
-    if pads is None or any(pads[2 * spatial:]) or min(pads) < 0:  # batch or channels padded, or a crop
+    if found is None or any(found[0][2 * spatial:]) or min(found[0]) < 0:  # batch or channels padded, or a crop
         return None
+    pads, mode = found
     stride, padding, _, _ = conv_arguments(conv)
+    if mode != "constant":
+        if any(padding):  # zeros around another mode's padding: left as it is
+            return None
+        pads = pads + [0] * (2 * spatial - len(pads))
+        pairs = [[pads[2 * (spatial - 1 - dim)], pads[2 * (spatial - 1 - dim) + 1]] for dim in range(spatial)]
+        return pairs, [0] * len(pads), mode
     pads = pads + [0] * (2 * spatial - len(pads))
     pairs, left = [], list(pads)
     for dim in range(spatial):
@@ -67,7 +78,7 @@ def folds(conv: Node) -> tuple[list[list[int]], list[int]] | None:
             else:
                 before = after = 0
         pairs.append([padding[dim] + before, padding[dim] + after])
-    return (pairs, left) if left != pads else None
+    return (pairs, left, mode) if left != pads else None
 
 
 def _with_meta(node: Node, like: Node, val) -> Node:
@@ -80,7 +91,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     del ctx
     graph = gm.graph
     for conv in [n for n in graph.nodes if folds(n)]:
-        (pairs, left), pad = folds(conv), conv.args[0]
+        (pairs, left, mode), pad = folds(conv), conv.args[0]
         source = pad.args[0]
         if any(left):
             with graph.inserting_after(pad):
@@ -88,7 +99,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                                     aten.constant_pad_nd.default(source.meta["val"], left, 0.0))
         stride, _, dilation, _ = conv_arguments(conv)
         bias = conv.args[2] if len(conv.args) > 2 else None
-        if all(before == after for before, after in pairs):
+        if mode == "constant" and all(before == after for before, after in pairs):
             padding = [before for before, _ in pairs]
             if conv.target is aten.convolution.default:
                 args = list(conv.args)
@@ -99,7 +110,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         else:
             with graph.inserting_before(conv):
                 padded = _with_meta(graph.call_function(collectives.padded_convolution, (
-                    source, conv.args[1], bias, stride, pairs, dilation, groups_of(conv))), conv, conv.meta["val"])
+                    source, conv.args[1], bias, stride, pairs, dilation, groups_of(conv), mode)), conv,
+                    conv.meta["val"])
             conv.replace_all_uses_with(padded)
             graph.erase_node(conv)
         if not pad.users:

@@ -57,6 +57,14 @@ def output_padding_of(node: Node) -> list[int]:
     return _per_dim(node.args[index] if len(node.args) > index else 0, spatial)
 
 
+def pad_mode(node: Node) -> str:
+    """How a convolution's padding is filled: "constant" (zeros), or a ``padded_convolution``'s "replicate" or
+    "reflect"."""
+    if node.target is collectives.padded_convolution and len(node.args) > 7:
+        return node.args[7]
+    return "constant"
+
+
 def padding_pairs(node: Node) -> list[list[int]]:
     """``[before, after]`` zero padding of each spatial dim."""
     if node.target is collectives.padded_convolution:
@@ -130,10 +138,11 @@ def split_rows(node: Node, placement, axis_size: int):
     if any(start % stride for start, _ in ranges):
         raise NeedsUnit(x, stride)
     widths = [end - start for start, end in ranges]
-    if min(widths) < max(before, after):
+    mirrored = pad_mode(node) == "reflect"  # the first and last rank mirror rows next to their edge row
+    if min(widths) < max(before, after) or mirrored and min(widths[0], widths[-1]) <= max(before, after):
         raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows split {widths} over "
                           f"{axis_size} ranks, fewer on some rank than the {max(before, after)} its neighbour "
-                          "borrows")
+                          "borrows" + (" or its own edge mirrors" if mirrored else ""))
     if stride == 1:
         return placement
     unit = unit_of(placement)

@@ -6,7 +6,8 @@ spatial dim (height by default):
   in by ``collective_kernels``); split along the batch it is local; split channels would change its groups;
 - nearest upsampling by a whole factor gives every output row from one input row of the same rank: rank ``r``'s
   rows scale to rank ``r``'s rows, so a shard in units of ``u`` rows becomes one in units of ``u * factor`` (a
-  split 4 + 3 of 7 latent rows is 8 + 6 of 14). Interpolating modes read the neighbours' rows and are refused.
+  split 4 + 3 of 7 latent rows is 8 + 6 of 14). Interpolating modes read the neighbours' rows and are refused;
+- depth-to-space and space-to-depth (``pixel_shuffle``, ``pixel_unshuffle``) scale rows alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, is_sharded, packed_shard, unit_of
-from .core import Decision, R, Unshardable, register, register_factory, same_as_input, shape_of
+from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, same_as_input, shape_of
 
 aten = torch.ops.aten
 
@@ -84,3 +85,25 @@ def _factor(node: Node, dim: int) -> float | None:
         scales = list(node.args[2:])
     return scales[index] if scales is not None and index < len(scales) else None
 
+
+@register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)
+def pixel_shuffle(node: Node, placements, axis_size: int) -> Decision:
+    """Depth-to-space (``pixel_shuffle``: ``[N, C r^2, H, W] -> [N, C, H r, W r]``) moves channels into each input
+    row's own ``r`` output rows: a shard of H in units of ``u`` becomes one in units of ``u r``; space-to-depth
+    (``pixel_unshuffle``) gathers each ``r`` rows into one, so every rank's rows must start at a multiple of ``r``
+    (a shard in units of ``u``, ``u`` a multiple of ``r``, becomes one in units of ``u / r``). The batch passes;
+    split channels would be regrouped."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement) or placement.dim < len(shape_of(source)) - 3:
+        return decision
+    if placement.dim == len(shape_of(source)) - 3 or isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable(f"{node.target.__name__} regroups the sharded channels")
+    rows, out, factor = shape_of(source)[placement.dim], shape_of(node)[placement.dim], node.args[1]
+    unit = unit_of(placement) if isinstance(placement, PackedShard) or rows % axis_size else rows // axis_size
+    if node.target is aten.pixel_shuffle.default:
+        return Decision(packed_shard(placement.dim, (out,), unit * factor, axis_size), decision.inputs)
+    if unit % factor:
+        raise NeedsUnit(source, factor)  # every rank's rows must start at a multiple of the factor
+    return Decision(packed_shard(placement.dim, (out,), unit // factor, axis_size), decision.inputs)

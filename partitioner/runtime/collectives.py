@@ -241,26 +241,38 @@ def _borrow_rows(x: torch.Tensor, dim: int, before: int, after: int, index: int,
     return shaped(pieces[0], came[index - 1]), shaped(pieces[1], came[index + 1])
 
 
+PAD_MODES = ("constant", "replicate", "reflect")
+
+
+def _edge(x: torch.Tensor, dim: int, count: int, first: bool, mode: str) -> torch.Tensor:
+    """``count`` rows of padding past the image's first (or last) row along ``dim``, as ``F.pad``'s ``mode`` makes
+    them: zeros, copies of the edge row, or the rows next to it mirrored."""
+    rows = x.shape[dim]
+    if mode == "replicate":
+        return x.narrow(dim, 0 if first else rows - 1, 1).expand(*x.shape[:dim], count, *x.shape[dim + 1:])
+    if mode == "reflect":
+        return x.narrow(dim, 1 if first else rows - 1 - count, count).flip(dim)
+    shape = list(x.shape)
+    shape[dim] = count
+    return x.new_zeros(shape)
+
+
 def _around(x: torch.Tensor, dim: int, ahead: torch.Tensor | None, behind: torch.Tensor | None, before: int,
-            after: int) -> torch.Tensor:
-    """``x`` with the borrowed rows around it along ``dim`` (zeros where there is no neighbour)."""
-    def rows(piece, count):
-        if piece is not None:
-            return piece
-        shape = list(x.shape)
-        shape[dim] = count
-        return x.new_zeros(shape)
-    return torch.cat([rows(ahead, before), x, rows(behind, after)], dim)
+            after: int, mode: str = "constant") -> torch.Tensor:
+    """``x`` with the borrowed rows around it along ``dim`` (the padding of ``mode`` where there is no neighbour)."""
+    return torch.cat([ahead if ahead is not None else _edge(x, dim, before, True, mode), x,
+                      behind if behind is not None else _edge(x, dim, after, False, mode)], dim)
 
 
 def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
                      padding: list[list[int]], dilation: list[int], groups: int, dim: int, index: int, ranks: int,
-                     group_name: str) -> torch.Tensor:
+                     group_name: str, mode: str = "constant") -> torch.Tensor:
     """A convolution along ``dim``, whose rows are split in order over ``ranks`` ranks (this one ``index``), each
     rank computing the output rows of its own rows (``rows / stride`` of them). ``padding``: ``[before, after]`` per
     spatial dim. Along ``dim`` a rank reads ``before`` rows ahead of its own (the previous rank's last; zeros, the
     convolution's padding, on the first rank) and ``after`` rows past them (the next rank's first; zeros on the
-    last), borrowed in one halo exchange (``_borrow_rows``).
+    last; replicate or reflect ``mode`` pads the image's edges as ``F.pad`` does), borrowed in one halo exchange
+    (``_borrow_rows``).
 
     A same-size convolution (stride 1, the same padding on both sides of every dim) runs on this rank's rows with
     its own zero padding, and only the edge rows facing a neighbour are computed again from the borrowed rows, in
@@ -274,10 +286,10 @@ def halo_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                                   [0] * len(pad), groups)
 
     symmetric = [p if p == q else None for p, q in padding]
-    if stride[dim - 2] != 1 or None in symmetric or rows < 2 * before:
+    if stride[dim - 2] != 1 or None in symmetric or rows < 2 * before or mode != "constant":
         others = [side for d, pair in reversed(list(enumerate(padding))) for side in (pair if d != dim - 2 else (0, 0))]
-        rows_in = _around(x, dim, ahead, behind, before, after)
-        return convolve(torch.ops.aten.constant_pad_nd.default(rows_in, others, 0.0) if any(others) else rows_in,
+        rows_in = _around(x, dim, ahead, behind, before, after, mode)
+        return convolve(torch.nn.functional.pad(rows_in, others, mode=mode) if any(others) else rows_in,
                         [0] * len(padding))
     unpadded = list(symmetric)
     unpadded[dim - 2] = 0
@@ -309,14 +321,15 @@ def halo_transposed_convolution(x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 def padded_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
-                       padding: list[list[int]], dilation: list[int], groups: int) -> torch.Tensor:
-    """A convolution whose zero padding differs on the two sides of some dim (``padding``: ``[before, after]`` per
-    spatial dim): ``F.pad`` then a convolution, as a VAE's strided downsampling writes it (``fold_conv_padding``
-    makes it one op, so that a split dim's padding goes only to the image's edges, ``halo_convolution``)."""
+                       padding: list[list[int]], dilation: list[int], groups: int,
+                       mode: str = "constant") -> torch.Tensor:
+    """A convolution whose padding differs on the two sides of some dim (``padding``: ``[before, after]`` per
+    spatial dim) or is not zeros (``mode``: ``F.pad``'s): ``F.pad`` then a convolution, as a VAE's strided
+    downsampling or a reflect-padded encoder writes it (``fold_conv_padding`` makes it one op, so that a split
+    dim's padding goes only to the image's edges, ``halo_convolution``)."""
     pads = [side for pair in reversed(padding) for side in pair]
-    return torch.ops.aten.convolution.default(torch.ops.aten.constant_pad_nd.default(x, pads, 0.0), weight, bias,
-                                              stride, [0] * len(padding), dilation, False, [0] * len(padding),
-                                              groups)
+    return torch.ops.aten.convolution.default(torch.nn.functional.pad(x, pads, mode=mode), weight, bias, stride,
+                                              [0] * len(padding), dilation, False, [0] * len(padding), groups)
 
 
 def sharded_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -67,6 +67,32 @@ def tiny_minimax_h3_audio_vae(seed: int = 0):
         resblock_dilation_sizes=((1,),), latents_mean=[0.0] * 8, latents_std=[1.0] * 8).eval()
 
 
+class PaddedNet(torch.nn.Module):
+    """The padding and resampling idioms of convolutional decoders and encoders in one small network: reflect and
+    replicate padding (H3's encoder, BigVGAN's filters), a strided convolution after replicate padding,
+    space-to-depth and depth-to-space (``pixel_unshuffle`` / ``pixel_shuffle``), a transposed convolution."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.reflected = torch.nn.Conv2d(channels, channels, 3)
+        self.replicated = torch.nn.Conv2d(channels, channels, 3, stride=(2, 1))
+        self.mixed = torch.nn.Conv2d(4 * channels, 4 * channels, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(channels, channels, (4, 3), stride=(2, 1), padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        x = self.reflected(F.pad(x, (1, 1, 1, 1), mode="reflect"))
+        x = self.replicated(F.pad(x, (1, 1, 1, 1), mode="replicate"))  # rows halved
+        x = F.pixel_shuffle(self.mixed(F.pixel_unshuffle(x, 2)), 2)
+        return self.up(F.silu(x))  # rows doubled back
+
+
+def tiny_padded_net(seed: int = 0):
+    torch.manual_seed(seed)
+    return PaddedNet().eval()
+
+
 VAES = {"autoencoder_kl": tiny_autoencoder_kl, "wan": tiny_wan_vae, "qwen_image": tiny_qwen_image_vae,
         "minimax_h3": tiny_minimax_h3_vae, "minimax_h3_audio": tiny_minimax_h3_audio_vae}
 # latent frames (None: an image VAE; 0: an audio VAE, whose latent is [batch, channels, time])
@@ -148,3 +174,21 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
         expected = vae.decode(z).sample
     return ((out - expected).abs().max().item(), expected.abs().max().item(), kernels["halo_convolution"],
             kernels["sharded_group_norm"], kernels["ring_attention"])
+
+
+def padded_net_on_ranks(rank: int, world: int, height: int, width: int):
+    """On every rank: ``PaddedNet`` partitioned over a ring of ``world`` (no attention: every convolution's input
+    split along height) against the whole network; (max error, max magnitude, halo exchanges, gathers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import partitioner
+
+    net = tiny_padded_net()
+    x = torch.randn(1, 4, height, width, generator=torch.Generator().manual_seed(3))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
+    partitioned = partitioner.partition(net, mesh, ((x,), {}))
+    counts = partitioned.collective_counts()
+    with torch.no_grad():
+        out, expected = partitioned.compile()(x), net(x)
+    return ((out - expected).abs().max().item(), expected.abs().max().item(), counts[("halo_exchange", "ring")],
+            counts[("all_gather", "ring")])
