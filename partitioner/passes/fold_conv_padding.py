@@ -27,6 +27,7 @@ from ..rules.conv import conv_arguments, groups_of
 from ..runtime import collectives
 from ..runtime.collectives import PAD_MODES
 from .context import PassContext
+from .pointwise_convs import new_node
 
 aten = torch.ops.aten
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
@@ -81,12 +82,6 @@ def folds(conv: Node) -> tuple[list[list[int]], list[int], str] | None:
     return (pairs, left, mode) if left != pads else None
 
 
-def _with_meta(node: Node, like: Node, val) -> Node:
-    node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
-    node.meta["val"] = val
-    return node
-
-
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     del ctx
     graph = gm.graph
@@ -95,8 +90,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         source = pad.args[0]
         if any(left):
             with graph.inserting_after(pad):
-                source = _with_meta(graph.call_function(aten.constant_pad_nd.default, (source, left, 0.0)), pad,
-                                    aten.constant_pad_nd.default(source.meta["val"], left, 0.0))
+                source = new_node(graph, aten.constant_pad_nd.default, (source, left, 0.0), pad,
+                                  aten.constant_pad_nd.default(source.meta["val"], left, 0.0))
         stride, _, dilation, _ = conv_arguments(conv)
         bias = conv.args[2] if len(conv.args) > 2 else None
         if mode == "constant" and all(before == after for before, after in pairs):
@@ -109,9 +104,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 conv.args = (source, conv.args[1], bias, stride, padding, dilation, groups_of(conv))
         else:
             with graph.inserting_before(conv):
-                padded = _with_meta(graph.call_function(collectives.padded_convolution, (
-                    source, conv.args[1], bias, stride, pairs, dilation, groups_of(conv), mode)), conv,
-                    conv.meta["val"])
+                padded = new_node(graph, collectives.padded_convolution, (
+                    source, conv.args[1], bias, stride, pairs, dilation, groups_of(conv), mode), conv, conv.meta["val"])
             conv.replace_all_uses_with(padded)
             graph.erase_node(conv)
         if not pad.users:

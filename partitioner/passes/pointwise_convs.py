@@ -36,7 +36,9 @@ def is_pointwise(node: Node) -> bool:
             and groups_of(node) == 1)
 
 
-def _new(graph, target, args, like: Node, val) -> Node:
+def new_node(graph, target, args, like: Node, val) -> Node:
+    """A call of ``target`` in ``graph`` (at its insertion point) with value ``val``, keeping the model source line
+    and module stack of ``like``, the node it stands for."""
     node = graph.call_function(target, args)
     node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
     node.meta["val"] = val
@@ -52,13 +54,13 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ndim = len(x.meta["val"].shape)
         channels_last = [0, *range(2, ndim), 1]
         with graph.inserting_before(conv):
-            moved = _new(graph, aten.permute.default, (x, channels_last), conv,
+            moved = new_node(graph, aten.permute.default, (x, channels_last), conv,
                          x.meta["val"].permute(channels_last))
-            matrix = _new(graph, aten.squeeze.dims, (weight, list(range(2, ndim))), conv,
+            matrix = new_node(graph, aten.squeeze.dims, (weight, list(range(2, ndim))), conv,
                           weight.meta["val"].squeeze(list(range(2, ndim))))
-            linear = _new(graph, aten.linear.default, (moved, matrix) + ((bias,) if bias is not None else ()), conv,
+            linear = new_node(graph, aten.linear.default, (moved, matrix) + ((bias,) if bias is not None else ()), conv,
                           conv.meta["val"].permute(channels_last))
-            back = _new(graph, aten.permute.default, (linear, [0, ndim - 1, *range(1, ndim - 1)]), conv,
+            back = new_node(graph, aten.permute.default, (linear, [0, ndim - 1, *range(1, ndim - 1)]), conv,
                         conv.meta["val"])
         conv.replace_all_uses_with(back)
         graph.erase_node(conv)

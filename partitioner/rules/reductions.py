@@ -14,38 +14,33 @@ aten = torch.ops.aten
 @register(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 def reduction(node: Node, placements, axis_size: int) -> Decision:
     """sum / mean / amax / amin over some dims: fine unless the sharded dim is one of them."""
-    source = node.args[0]
-    placement = placements.get(source, R)
-    decision = same_as_input(node, placements, source)
-    if not is_sharded(placement):
-        return decision
-    ndim = len(shape_of(source))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if placement.dim in dims:
-        raise Unshardable(f"{node.target.__name__} reduces over the sharded dim {placement.dim}")
-    shift = 0 if keepdim else sum(d < placement.dim for d in dims)
-    return Decision(with_dim(placement, placement.dim - shift), decision.inputs)
+    return _reduced(node, placements, dims, keepdim)
 
 
 @register(aten.linalg_vector_norm.default)
 def vector_norm(node: Node, placements, axis_size: int) -> Decision:
-    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, a VAE's RMS norm over channels): fine unless the
-    sharded dim is one of the reduced dims."""
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, a VAE's RMS norm over channels): fine unless
+    the sharded dim is one of the reduced dims."""
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    keepdim = node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False)
+    return _reduced(node, placements, dims, keepdim)
+
+
+def _reduced(node: Node, placements, dims, keepdim: bool) -> Decision:
+    """A reduction of ``node.args[0]`` over ``dims`` (None: all): the shard follows its dim, unless reduced."""
     source = node.args[0]
     placement = placements.get(source, R)
     decision = same_as_input(node, placements, source)
     if not is_sharded(placement):
         return decision
     ndim = len(shape_of(source))
-    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
-    keepdim = node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False)
     if placement.dim in dims:
-        raise Unshardable(f"linalg_vector_norm reduces over the sharded dim {placement.dim}")
-    return Decision(with_dim(placement, placement.dim - (0 if keepdim else sum(d < placement.dim for d in dims))),
-                    decision.inputs)
+        raise Unshardable(f"{node.target.__name__} reduces over the sharded dim {placement.dim}")
+    shift = 0 if keepdim else sum(d < placement.dim for d in dims)
+    return Decision(with_dim(placement, placement.dim - shift), decision.inputs)
 
 
 @register(aten.rms_norm.default, aten.layer_norm.default)
