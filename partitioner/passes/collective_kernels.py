@@ -8,7 +8,8 @@ Guarantees:
 - a convolution whose rows a sequence axis splits along a spatial dim is ``collectives.halo_convolution`` (each
   rank borrows the kernel's reach of rows from its two neighbours);
 - a group_norm over positions a sequence axis splits is ``collectives.sharded_group_norm`` (each group's
-  statistics combined across the ranks);
+  statistics combined across the ranks); interpolating upsampling over split rows is
+  ``collectives.halo_interpolation``;
 - an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
   reads its mask in that order too.
 
@@ -25,6 +26,7 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
+from ..rules.spatial import INTERPOLATING
 from ..rules.conv import (GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, pad_mode,
                           padding_pairs)
 from ..runtime import collectives
@@ -42,6 +44,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _ring_attentions(gm, ctx)
     _halo_convolutions(gm, ctx)
     _group_norms(gm, ctx)
+    _interpolations(gm, ctx)
     return gm
 
 
@@ -193,3 +196,20 @@ def _group_norms(gm: GraphModule, ctx: PassContext) -> None:
         node.args = (args[0], args[1], args[2], args[3], eps, ctx.mesh.group_name(axis))
         node.kwargs = {}
         node.meta["collective"] = ("all_reduce", axis)
+
+
+def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
+    """Interpolating upsampling over rows a sequence axis splits becomes ``collectives.halo_interpolation``: each
+    rank borrows the rows past its own that its edge output rows read."""
+    for node in gm.graph.nodes:
+        if node.target not in INTERPOLATING or not (spatial := _spatial_axes(node)):
+            continue
+        if len(spatial) > 1:
+            raise PartitionError(f"{node.name}: upsampling over rows split by several axes {list(spatial)}")
+        (axis, placement), = spatial.items()
+        mode, reach = INTERPOLATING[node.target]
+        node.target = collectives.halo_interpolation
+        node.args = (node.args[0], mode, list(node.args[3]), placement.dim, reach, ctx.mesh.coordinate(axis),
+                     ctx.mesh.size(axis), ctx.mesh.group_name(axis))
+        node.kwargs = {}
+        node.meta["collective"] = ("halo_exchange", axis)

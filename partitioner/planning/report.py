@@ -182,7 +182,8 @@ def _workspace(node) -> int:
         (before, after), rows = node.args[4][dim - 2], x.shape[dim]
         in_place = node.args[3][dim - 2] == 1 and all(p == q for p, q in node.args[4]) and rows >= 2 * before
         return nbytes(x) * 3 * (before + after) // rows if in_place else nbytes(x) * (rows + before + after) // rows
-    if node.target is c.halo_transposed_convolution:  # its input with the borrowed rows, its uncut output
+    if node.target in (c.halo_transposed_convolution, c.halo_interpolation):  # its input with the borrowed rows,
+        # its uncut output
         x = node.args[0].meta["val"]
         return nbytes(x) + nbytes(node.meta["val"])
     if node.target is not c.ring_attention:
@@ -229,13 +230,17 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 def collective_calls(node) -> tuple[int, int]:
     """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
     collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
-    from ..runtime.collectives import (halo_convolution, halo_transposed_convolution, reduce_scatter_start,
-                                       ring_attention, sharded_group_norm, sharded_layer_norm, sharded_rms_norm)
+    from ..runtime.collectives import (halo_convolution, halo_interpolation, halo_transposed_convolution,
+                                       reduce_scatter_start, ring_attention, sharded_group_norm, sharded_layer_norm,
+                                       sharded_rms_norm)
 
     val = node.meta["val"]
     if node.target is halo_convolution:  # the rows borrowed from (and lent to) each neighbour
         x, dim = node.args[0].meta["val"], node.args[7]
         return sum(node.args[4][dim - 2]) * x.numel() // x.shape[dim] * x.element_size(), 1
+    if node.target is halo_interpolation:  # reach rows to and from each neighbour
+        x, dim = node.args[0].meta["val"], node.args[3]
+        return 2 * node.args[4] * x.numel() // x.shape[dim] * x.element_size(), 1
     if node.target is halo_transposed_convolution:
         x, dim = node.args[0].meta["val"], node.args[8]
         return sum(node.args[9:11]) * x.numel() // x.shape[dim] * x.element_size(), 1

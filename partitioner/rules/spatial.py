@@ -6,7 +6,8 @@ spatial dim (height by default):
   in by ``collective_kernels``); split along the batch it is local; split channels would change its groups;
 - nearest upsampling by a whole factor gives every output row from one input row of the same rank: rank ``r``'s
   rows scale to rank ``r``'s rows, so a shard in units of ``u`` rows becomes one in units of ``u * factor`` (a
-  split 4 + 3 of 7 latent rows is 8 + 6 of 14). Interpolating modes read the neighbours' rows and are refused;
+  split 4 + 3 of 7 latent rows is 8 + 6 of 14); interpolating modes (linear to bicubic) too, each rank borrowing
+  the one or two rows past its own that its last output rows read (``collectives.halo_interpolation``);
 - depth-to-space and space-to-depth (``pixel_shuffle``, ``pixel_unshuffle``) scale rows alike.
 """
 
@@ -16,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, is_sharded, packed_shard, unit_of
+from ..placement import PackedShard, is_sharded, packed_shard, shard_widths, unit_of
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, same_as_input, shape_of
 
 aten = torch.ops.aten
@@ -84,6 +85,44 @@ def _factor(node: Node, dim: int) -> float | None:
     else:
         scales = list(node.args[2:])
     return scales[index] if scales is not None and index < len(scales) else None
+
+
+# interpolating upsampling: its mode, and how many rows past its own an output row's source position reads
+INTERPOLATING = {aten.upsample_linear1d.vec: ("linear", 1), aten.upsample_bilinear2d.vec: ("bilinear", 1),
+                 aten.upsample_trilinear3d.vec: ("trilinear", 1), aten.upsample_bicubic2d.vec: ("bicubic", 2)}
+
+
+def interpolating_upsampling(node: Node, placements, axis_size: int, exchange: bool) -> Decision:
+    """``upsample_{linear,bilinear,trilinear,bicubic}(x, None, align_corners=False, scale_factors)`` by a whole
+    factor along a split spatial dim: each rank's rows scale to its own output rows (units grow by the factor, as
+    nearest upsampling's), which also read the rows around them: ``collective_kernels`` makes it
+    ``collectives.halo_interpolation`` (``exchange``: on a sequence axis). Aligned corners or a size given
+    instead of a factor place source positions by the whole image's size: refused."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if not is_sharded(placement) or placement.dim < 2:
+        return decision
+    rows, out = shape_of(source)[placement.dim], shape_of(node)[placement.dim]
+    align_corners, scales = node.args[2], node.args[3] if len(node.args) > 3 else None
+    factor = scales[placement.dim - (len(shape_of(source)) - len(scales))] if scales is not None else None
+    if not exchange or align_corners or factor is None or factor != int(factor) or out != rows * factor \
+            or isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable(f"{node.target.__name__} of the sharded dim {placement.dim} ({rows} to {out} rows, "
+                          f"align_corners={align_corners}, scale {factor}): its source rows would be placed by the "
+                          "whole image")
+    reach = INTERPOLATING[node.target][1]
+    if min(shard_widths(placement, rows, axis_size)) < reach:
+        raise Unshardable(f"{node.target.__name__}: a rank holds fewer than the {reach} rows its neighbour reads")
+    return Decision(packed_shard(placement.dim, (out,), unit_of(placement) * int(factor), axis_size),
+                    decision.inputs)
+
+
+for _op in INTERPOLATING:
+    register(_op)(lambda node, placements, axis_size: interpolating_upsampling(node, placements, axis_size, False))
+    register_factory(_op, axis="sequence")(
+        lambda roles, axis=None: lambda node, placements, axis_size: interpolating_upsampling(
+            node, placements, axis_size, exchange=axis in SEQUENCE_AXES))
 
 
 @register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default)

@@ -320,6 +320,23 @@ def halo_transposed_convolution(x: torch.Tensor, weight: torch.Tensor, bias: tor
     return out.narrow(dim, pad + before * step, rows * step)
 
 
+_INTERPOLATE = {"linear": torch.ops.aten.upsample_linear1d.vec, "bilinear": torch.ops.aten.upsample_bilinear2d.vec,
+                "trilinear": torch.ops.aten.upsample_trilinear3d.vec, "bicubic": torch.ops.aten.upsample_bicubic2d.vec}
+
+
+def halo_interpolation(x: torch.Tensor, mode: str, scale_factors: list[float], dim: int, reach: int, index: int,
+                       ranks: int, group_name: str) -> torch.Tensor:
+    """Interpolating upsampling (linear, bilinear, trilinear: ``reach`` 1; bicubic: 2) by a whole factor along
+    ``dim``, whose rows are split in order over ranks, corners not aligned: each output row reads the input rows
+    around its source position, so a rank borrows ``reach`` rows from each neighbour, pads the image's edges by
+    repeating its edge row (what the op's clamped indices read there), upsamples and keeps its own
+    ``rows * factor`` output rows."""
+    ahead, behind = _borrow_rows(x, dim, reach, reach, index, ranks, group_name)
+    out = _INTERPOLATE[mode](_around(x, dim, ahead, behind, reach, reach, "replicate"), None, False, scale_factors)
+    factor = int(scale_factors[dim - (x.dim() - len(scale_factors))])
+    return out.narrow(dim, reach * factor, x.shape[dim] * factor)
+
+
 def padded_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
                        padding: list[list[int]], dilation: list[int], groups: int,
                        mode: str = "constant") -> torch.Tensor:

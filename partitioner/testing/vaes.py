@@ -70,7 +70,8 @@ def tiny_minimax_h3_audio_vae(seed: int = 0):
 class PaddedNet(torch.nn.Module):
     """The padding and resampling idioms of convolutional decoders and encoders in one small network: reflect and
     replicate padding (H3's encoder, BigVGAN's filters), a strided convolution after replicate padding,
-    space-to-depth and depth-to-space (``pixel_unshuffle`` / ``pixel_shuffle``), a transposed convolution."""
+    space-to-depth and depth-to-space (``pixel_unshuffle`` / ``pixel_shuffle``), a transposed convolution, bilinear
+    and bicubic upsampling."""
 
     def __init__(self, channels: int = 4):
         super().__init__()
@@ -85,7 +86,8 @@ class PaddedNet(torch.nn.Module):
         x = self.reflected(F.pad(x, (1, 1, 1, 1), mode="reflect"))
         x = self.replicated(F.pad(x, (1, 1, 1, 1), mode="replicate"))  # rows halved
         x = F.pixel_shuffle(self.mixed(F.pixel_unshuffle(x, 2)), 2)
-        return self.up(F.silu(x))  # rows doubled back
+        x = self.up(F.silu(x))  # rows doubled back
+        return F.interpolate(x, scale_factor=2, mode="bilinear") + F.interpolate(x, scale_factor=2, mode="bicubic")
 
 
 def tiny_padded_net(seed: int = 0):
