@@ -9,7 +9,8 @@ splits: the block has no self-attention SDPA) and a convolutional feed-forward (
   heads are a batch dim of its matmuls. Parameters are cut when loaded.
 - Ulysses=2: the rows stay split through the attention (each rank sums its rows' ``v^T k``, one all_reduce of a
   ``[heads, d + 1, d]`` state) and through the depthwise convolution (each rank borrows one image row from each
-  neighbour: a halo exchange). Image rows that do not split evenly are gathered before the convolution instead.
+  neighbour: a halo exchange). Sequence rows that are not whole image rows on every rank are gathered before the
+  convolution instead.
 - TP=2 x Ulysses=2: both.
 Exact on every rank against the unpartitioned block (1e-5, float32 with sums reordered, as test_tp_numerics), with
 negative controls that drop the halo exchange and the attention's all_reduce, which must then be wrong.
@@ -96,7 +97,8 @@ def test_conv_feed_forward_and_linear_attention_are_exact(pools, mode):
 
 
 def test_uneven_image_rows_are_gathered_before_the_convolution(pools):
-    """5 image rows over 2 ranks: no halo exchange (rows split evenly only); the image is gathered, still exact."""
+    """5 image rows over 2 ranks: the 30 sequence rows split 15 + 15 under Ulysses (plain shards), not whole image
+    rows of 6, so they do not regroup into the image: no halo exchange, the image is gathered, still exact."""
     results = _run(pools, "ulysses2", height=5)
     assert all(r["error"] <= TOLERANCE for r in results), results
     assert "halo_exchange:ulysses" not in results[0]["collectives"]

@@ -194,3 +194,22 @@ def padded_net_on_ranks(rank: int, world: int, height: int, width: int):
         out, expected = partitioned.compile()(x), net(x)
     return ((out - expected).abs().max().item(), expected.abs().max().item(), counts[("halo_exchange", "ring")],
             counts[("all_gather", "ring")])
+
+
+def decode_peak_on_ranks(rank: int, world: int, height: int, width: int) -> dict:
+    """On every rank: the measured activation peak of one partitioned decode of a 2-level AutoencoderKL (16 and
+    32 channels; the least of three decodes, as ``benchmarks/vae_memory.py``) and the report's estimate."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import partitioner
+    from partitioner.testing import peak_allocated_bytes
+
+    torch.set_num_threads(1)
+    vae, z = tiny_autoencoder_kl(channels=(16, 32)), latents("autoencoder_kl", height, width)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
+    partitioned = partitioner.partition(vae, mesh, ((z,), {"return_dict": False}), method="decode")
+    decode = partitioned.compile()
+    with torch.no_grad():
+        decode(z, return_dict=False)
+        measured = min(peak_allocated_bytes(lambda: decode(z, return_dict=False)) for _ in range(3))
+    return dict(measured=measured, estimate=partitioned.report().activation_peak_bytes)
