@@ -261,6 +261,75 @@ def test_negative_control_without_the_reorder_or_the_value_guard_is_wrong(pools,
         assert max(r["other_error"] for r in results) > 1e-3, results
 
 
+class ReorderedTextJoint(torch.nn.Module):
+    """The text rows reordered by their mask, valid rows first and the padded ones zeroed after them, before a
+    joint attention masked by the reordered mask (HunyuanVideo 1.5's idiom: ``t[m]`` then ``t[~m]``, a boolean
+    index of a float tensor by a bool input)."""
+
+    def __init__(self):
+        super().__init__()
+        width = HEADS * HEAD_DIM
+        self.qkv, self.text_qkv = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor):
+        mask = mask.bool()
+        text = torch.stack([torch.cat([t[m], torch.zeros_like(t[~m])]) for t, m in zip(text, mask)])
+        mask = torch.stack([torch.cat([m[m], m[~m]]) for m in mask])
+        heads = lambda t: t.unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)  # noqa: E731
+        q, k, v = (heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        tq, tk, tv = (heads(t) for t in self.text_qkv(text).chunk(3, dim=-1))
+        keys = torch.cat([torch.ones(x.shape[:2], dtype=torch.bool), mask], 1)[:, None, None, :]
+        joint = F.scaled_dot_product_attention(torch.cat([q, tq], 2), torch.cat([k, tk], 2), torch.cat([v, tv], 2),
+                                               attn_mask=keys)
+        return self.out(joint.transpose(1, 2).flatten(2))
+
+
+def _reordered(rank, world, mode, broken):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from partitioner.frontend import value_specialization
+
+    torch.manual_seed(0)
+    model = ReorderedTextJoint().eval()
+    x, text, _ = _inputs()
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1]])  # valid rows 0, 2, 3, 5: the reorder moves rows
+    shape, names = MODES[mode]
+    following = value_specialization.ValueShadow._masks_as_indices
+
+    def reversed_rows(self, index, device):  # the negative control: the same rows picked in reverse order
+        replaced, roots = following(self, index, device)
+        return tuple(p.flip(0) if isinstance(p, torch.Tensor) else p for p in replaced) if roots else replaced, roots
+
+    with mock.patch.object(value_specialization.ValueShadow, "_masks_as_indices", reversed_rows) \
+            if broken else contextlib.nullcontext():
+        partitioned = partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((x, text, mask), {}))
+    with torch.no_grad():
+        expected = model(x, text, mask)
+        error = (partitioned.compile()(x, text, mask) - expected).abs().max().item()
+    return dict(error=error, values={i: v.tolist() for i, v in partitioned.traced.values.items()},
+                sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.startswith("sequence")])
+
+
+@pytest.mark.parametrize("mode", ["ulysses2", "tp2xulysses2"])
+def test_rows_reordered_by_their_mask_are_followed_and_exact(pools, mode):
+    """Before: the trace for the mask's values still met a data-dependent size at the attention (``t[m]`` of a
+    float tensor by the mask is sized by the mask's values). Now the mask's positions are constants of the trace:
+    the joint attention is sequence-sharded and exact on every rank, pinned to this mask."""
+    for rank, result in enumerate(_run_on(pools, _reordered, mode, False)):
+        assert result["error"] <= TOLERANCE, (rank, result)
+        assert result["values"] == {2: [[1, 0, 1, 1, 0, 1]]} and result["sharded"], result
+
+
+def test_negative_control_rows_picked_at_other_positions_are_wrong(pools):
+    results = _run_on(pools, _reordered, "ulysses2", True)
+    assert min(r["error"] for r in results) > 1e-2, results
+
+
+def _run_on(pools, case, mode, broken):
+    return pools[2 if MODES[mode][0] == (2,) else 4].run(case, mode, broken)
+
+
 def test_a_float_input_is_never_specialised():
     """A branch on a float input's values (latents, a timestep: they change at every step) stays a trace error
     that names the model's line; only integer and boolean inputs are specialised."""

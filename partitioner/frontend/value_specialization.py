@@ -7,10 +7,12 @@ take it either: the number sizes device ops. Such a model is traced for the valu
 
 While export runs, ``ValueShadow`` carries next to every fake tensor computed only from those inputs its real value,
 computed on the side (on copies: the caller's tensors are never written) by the same ops. The graph still computes
-those tensors; only two things take the real values:
+those tensors; only three things take the real values:
 - what Python reads (``item``, ``tolist``, ``bool``): the real numbers;
 - an op whose output size depends on values (``nonzero``, ``unique``, a boolean index: its meta kernel cannot size
-  it): its real result enters the graph as a constant.
+  it): its real result enters the graph as a constant;
+- a boolean index by such a mask into any other tensor (``text[mask]``, rows reordered valid-first): the mask's
+  positions enter as constant indices, the same rows in the same order, at a size the graph knows.
 The graph is then exact for the values read and no others: ``Traced.values`` keeps the inputs they derive from,
 and every call of the partition compares its inputs against them (``CompiledPartition`` refuses a call that
 differs; the drop-in module traces again for it, as it does for new shapes). An input that is only computed with,
@@ -150,6 +152,11 @@ class ValueShadow(TorchFunctionMode):
             raise TraceError(f"{name} writes in place into a tensor computed from "
                              f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads; the trace "
                              f"cannot compute that write beside the graph ({self._where()})")
+        if not followed and short == "__getitem__" and written is None:
+            index, roots = self._masks_as_indices(args[1], tensors[0].device)
+            if roots:  # rows picked by a specialised mask (valid rows first): that many, at these positions
+                self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
+                return func(args[0], index)
         if not followed:  # not computed from the specialised inputs alone: the graph's value only
             return func(*args, **kwargs)
         roots = set().union(*(self._roots(t) for t in shadowed))
@@ -170,6 +177,23 @@ class ValueShadow(TorchFunctionMode):
         result = func(*args, **kwargs)  # the graph computes it; the shadow follows (an in-place write too)
         self._register(result, real, roots)
         return result
+
+    def _masks_as_indices(self, index, device: torch.device) -> tuple[object, set[str]]:
+        """``index`` (of ``tensor[index]``) with every boolean mask computed from the specialised inputs replaced by
+        the positions it selects (``mask.nonzero(as_tuple=True)``, constants): the same rows, in the same order,
+        but as many as this call's mask selects, a size the graph knows (a reordering of text rows by their mask
+        before an attention). The inputs those masks derive from, if any."""
+        parts = index if isinstance(index, tuple) else (index,)
+        replaced, roots = [], set()
+        for part in parts:
+            if isinstance(part, torch.Tensor) and part.dtype == torch.bool and part in self.real:
+                roots |= self._roots(part)
+                with _disable_current_modes(), torch._C.DisableTorchFunction():
+                    positions = self.real[part].nonzero(as_tuple=True)
+                replaced.extend(_constant(p, device) for p in positions)
+            else:
+                replaced.append(part)
+        return (tuple(replaced), roots) if roots else (index, set())
 
     def _roots(self, tensor: torch.Tensor) -> set[str]:
         reference = _storage(tensor)
