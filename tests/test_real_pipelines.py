@@ -191,9 +191,12 @@ def _stand_in(rank, world, tmp):
         seeded = None
     except InputError as error:
         seeded = str(error)
-    pipe.transformer.partitioned.input_fingerprint = "off"
+    checked = (pipe.transformer.partitioned, pipe.vae.decode.partitioned)  # the VAE refuses other latents too
+    for partitioned in checked:
+        partitioned.input_fingerprint = "off"
     different = _errors(run(pipe, "flux", seed=rank), run(reference, "flux", seed=rank))
-    pipe.transformer.partitioned.input_fingerprint = "sample"
+    for partitioned in checked:
+        partitioned.input_fingerprint = "sample"
     refused = {}
     attempts = {"fuse_qkv_projections": lambda t: t.fuse_qkv_projections(),
                 "load_lora_adapter": lambda t: t.load_lora_adapter({}, adapter_name="x"),
