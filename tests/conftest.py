@@ -106,7 +106,7 @@ SLOW = {
         "test_a_model_that_reads_its_mask_is_traced_for_the_mask_and_exact[tp2xulysses2]",),
     "test_vae": tuple(f"test_decode_is_exact_on_every_rank[{case}]" for case in (
         "kl-4-odd", "wan-2-odd", "wan-4-odd", "qwen-image-2-odd", "qwen-image-4-odd", "h3-2-odd", "h3-4-odd",
-        "h3-2-tiled", "h3-audio-2-odd")) + (
+        "h3-2-tiled", "h3-audio-2-odd", "h3-audio-4-odd")) + (
         "test_encode_is_exact_on_every_rank[kl-4-odd]", "test_encode_is_exact_on_every_rank[wan-2-odd]",
         "test_padding_modes_strides_shuffles_and_interpolation_are_exact[4-36]",
         "test_per_rank_peak_falls_with_the_degree_and_the_estimate_follows",

@@ -94,7 +94,8 @@ def _end_to_end(rank, world, name, shape, names, second_request, experts):
         counts = decode.partitioned.collective_counts() if decode.partitioned else {}
         result["vaes"][name] = dict(partitioned=decode.partitioned is not None, whole_because=decode.whole_because,
                                     split=sum(n for (kind, axis), n in counts.items()
-                                              if kind in ("halo_exchange", "ring_pass")))
+                                              if kind in ("halo_exchange", "ring_pass")),
+                                    idle=decode.partitioned.ctx.sequence_idle if decode.partitioned else None)
     return result
 
 
@@ -118,10 +119,12 @@ def test_pipeline_matches_the_unpartitioned_pipeline_on_every_rank(pools, name, 
                 assert found["specializations"] == 1, (component, found)
         if mode == SECOND_REQUEST:
             assert max(result["second"]) <= TOLERANCE, (rank, result["second"])
-        # every rank of the mesh decodes its rows of the image (or frames; H3: also of the audio)
+        # every rank of the mesh decodes its rows of the image (or frames; H3: also of the audio); at 4 ranks a
+        # latent of fewer rows (H3's 2 x 2) cannot be split, which the partition says (its axis splits nothing)
         assert sorted(result["vaes"]) == (["audio_vae", "vae"] if name == "h3" else ["vae"]), result["vaes"]
         for component, found in result["vaes"].items():
-            assert found["partitioned"] and found["split"] > 0, (component, found)
+            assert found["partitioned"], (component, found)
+            assert found["split"] > 0 or (math.prod(shape) > 2 and found["idle"] == ["ring"]), (component, found)
 
 
 def _refused_cfg(rank, world):

@@ -41,15 +41,16 @@ def pools():
     ("autoencoder_kl", 2, 7, 6, None), ("autoencoder_kl", 4, 9, 5, None), ("wan", 2, 7, 6, None),
     ("wan", 4, 9, 4, None), ("qwen_image", 2, 7, 6, None), ("qwen_image", 4, 9, 4, None),
     ("minimax_h3", 2, 7, 6, None), ("minimax_h3", 4, 9, 5, None), ("minimax_h3", 2, 7, 6, 16),
-    ("minimax_h3_audio", 2, 13, 0, None)],
+    ("minimax_h3_audio", 2, 13, 0, None), ("minimax_h3_audio", 4, 13, 0, None)],
     ids=["kl-2-odd", "kl-4-odd", "wan-2-odd", "wan-4-odd", "qwen-image-2-odd", "qwen-image-4-odd", "h3-2-odd",
-         "h3-4-odd", "h3-2-tiled", "h3-audio-2-odd"])
+         "h3-4-odd", "h3-2-tiled", "h3-audio-2-odd", "h3-audio-4-odd"])
 def test_decode_is_exact_on_every_rank(pools, name, world, height, width, tile):
     """MiniMax-H3's decoder is a ViT over every latent voxel: no convolution to split, its token sequence (voxels,
     then register tokens) is split instead and every attention runs as ring attention; tiled (H3 ships with
     tiling on), each tile is decoded that way and the tiles blended as the model blends them. H3's audio VAE has
     no attention: every convolution's input is split along time (13 latent steps: 7 + 6), its transposed
-    convolutions (upsampling) by a halo exchange too."""
+    convolutions (upsampling) by a halo exchange too; at 4 ranks a convolution's input whose rows are not whole
+    groups of its stride is not split (it gathers), the next one is."""
     results = pools[world].run(decode_on_ranks, name, height, width, False, tile)
     for rank, (error, magnitude, halos, group_norms, ring_attentions) in enumerate(results):
         assert magnitude > 0.1, "a vacuous comparison"

@@ -257,10 +257,11 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                                                         packs=ctx.mesh.per_rank and joint_parts, units=units)
         for seed, factor in grow.items():  # units only grow, up to a rank's share: the loop ends
             units[seed] = units.get(seed, 1) * factor
-            if units[seed] * ctx.mesh.size(axis) > shape_of(seed)[seeds[seed]]:
-                failed.setdefault(seed, f"its {shape_of(seed)[seeds[seed]]} rows cannot give each of "
-                                        f"{ctx.mesh.size(axis)} ranks whole groups of {units.pop(seed)} rows (the "
-                                        "strides of the convolutions they go through)")
+            rows = shape_of(seed)[seeds[seed]]
+            if units[seed] * ctx.mesh.size(axis) > rows or rows % units[seed]:
+                failed.setdefault(seed, f"its {rows} rows are not whole groups of {units.pop(seed)} rows for each "
+                                        f"of {ctx.mesh.size(axis)} ranks (the strides of the convolutions they "
+                                        "go through)")
         if grow and not failed:
             continue
         if failed and given is not None:
