@@ -42,6 +42,6 @@ test: $(VENV)/.installed $(XLA_VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/xla
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) -m pytest -q $(COMPAT)
 
-# The edit loop: the tests not marked slow (tests/conftest.py), every file represented: 5 minutes on 2 cores.
+# The edit loop: the tests not marked slow (tests/conftest.py), every file represented: 6 minutes on 2 cores.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/xla
