@@ -96,7 +96,8 @@ def main() -> None:
         results = run_ranks(degree, on_rank, args.width_scale, args.height, args.width)
         worst = max(results, key=lambda r: r["measured"])
         print(f"{degree:>6} {worst['measured'] / mib:>10.1f} MiB {worst['measured'] / whole:>12.2f} "
-              f"{worst['estimate'] / mib:>6.1f} MiB {max(abs(r['estimate'] / r['measured'] - 1) for r in results):>+12.1%} "
+              f"{worst['estimate'] / mib:>6.1f} MiB "
+              f"{max(abs(r['estimate'] / r['measured'] - 1) for r in results):>+12.1%} "
               f"{max(r['error'] for r in results):>10.1e}")
 
 

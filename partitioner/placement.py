@@ -30,7 +30,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from .errors import PartitionError
 
-__all__ = ["InnerShard", "Partial", "PackedShard", "Placement", "Replicate", "Shard", "block_offsets", "local_shape",
+__all__ = ["InnerShard", "Partial", "PackedShard", "Placement", "Replicate", "Shard", "block_offsets", "boundary_unit",
+           "local_shape",
            "packed_shard", "shard_slices", "shard_widths", "shorthand", "split_order", "unit_of"]
 
 
@@ -118,6 +119,15 @@ def delivery_order(placement, size: int, num: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` ranges of a dim of ``size`` in the order a gather or a packed exchange over ``num``
     ranks delivers them: rank by rank, each rank's ranges (its part of every block of a packed shard) in turn."""
     return [piece for index in range(num) for piece in shard_slices(placement, size, num, index)]
+
+
+def boundary_unit(placement, size: int, num: int) -> int:
+    """The granule every rank's part of a dim of ``size`` starts at a multiple of: a packed shard's unit, the whole
+    share of a plain shard that splits evenly, else 1 (a strided convolution or space-to-depth needs it to be a
+    multiple of its stride)."""
+    if isinstance(placement, PackedShard):
+        return placement.unit
+    return size // num if size % num == 0 else 1
 
 
 def shard_widths(placement, size: int, num: int) -> list[int]:

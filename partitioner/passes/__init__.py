@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (annotate_heads, chunk_reductions, collective_kernels, fold_conv_padding, gather_scatters, hoist_host,
-               insert_collectives, localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence, pointwise_convs,
-               schedule_collectives)
+               insert_collectives, localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence,
+               pointwise_convs, schedule_collectives)
 from .runner import run_passes
 
 

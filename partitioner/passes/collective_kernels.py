@@ -26,9 +26,9 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
 from ..rules.attention import RING_AXES
-from ..rules.spatial import INTERPOLATING
 from ..rules.conv import (GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, pad_mode,
                           padding_pairs)
+from ..rules.spatial import INTERPOLATING
 from ..runtime import collectives
 from .context import PassContext
 from .insert_collectives import axis_sizes, rekey, split_size
@@ -145,14 +145,13 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if node.target not in GROUPS_ARGUMENT or node.target in _HALOS:
             continue
-        x, spatial = node.args[0], _spatial_axes(node)
-        if not spatial:
+        x, split = node.args[0], _split_axis(node, "a convolution")
+        if split is None:
             continue
-        dims = [p.dim for p in x.meta["placements"].values() if is_sharded(p)]
-        if len(spatial) > 1 or dims.count(next(iter(spatial.values())).dim) > 1:
+        axis, placement = split
+        if [p.dim for p in x.meta["placements"].values() if is_sharded(p)].count(placement.dim) > 1:
             raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
                                  f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
-        (axis, placement), = spatial.items()
         rows = halo_rows(node, placement.dim)
         if rows == (0, 0):  # a kernel of one row along the split dim: each rank's rows suffice
             continue
@@ -181,15 +180,22 @@ def _spatial_axes(node: Node) -> dict[str, object]:
             if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
 
 
+def _split_axis(node: Node, what: str) -> tuple[str, object] | None:
+    """The one sequence axis that splits ``node``'s first input along a spatial dim, with its placement; None when
+    none does. Several: a PartitionError (each kernel exchanges over one axis)."""
+    spatial = _spatial_axes(node)
+    if len(spatial) > 1:
+        raise PartitionError(f"{node.name}: {what} over positions split by several axes {list(spatial)}")
+    return next(iter(spatial.items()), None)
+
+
 def _group_norms(gm: GraphModule, ctx: PassContext) -> None:
     """A group_norm whose positions a sequence axis splits becomes ``collectives.sharded_group_norm``: each
     group's count, mean and spread combined across that axis's ranks."""
     for node in gm.graph.nodes:
-        if node.target is not aten.group_norm.default or not (spatial := _spatial_axes(node)):
+        if node.target is not aten.group_norm.default or (split := _split_axis(node, "a group_norm")) is None:
             continue
-        if len(spatial) > 1:
-            raise PartitionError(f"{node.name}: a group_norm over positions split by several axes {list(spatial)}")
-        (axis, _), = spatial.items()
+        axis, _ = split
         args = list(node.args) + [None] * (5 - len(node.args))
         eps = node.kwargs.get("eps", 1e-5 if args[4] is None else args[4])
         node.target = collectives.sharded_group_norm
@@ -202,11 +208,9 @@ def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
     """Interpolating upsampling over rows a sequence axis splits becomes ``collectives.halo_interpolation``: each
     rank borrows the rows past its own that its edge output rows read."""
     for node in gm.graph.nodes:
-        if node.target not in INTERPOLATING or not (spatial := _spatial_axes(node)):
+        if node.target not in INTERPOLATING or (split := _split_axis(node, "upsampling")) is None:
             continue
-        if len(spatial) > 1:
-            raise PartitionError(f"{node.name}: upsampling over rows split by several axes {list(spatial)}")
-        (axis, placement), = spatial.items()
+        axis, placement = split
         mode, reach = INTERPOLATING[node.target]
         node.target = collectives.halo_interpolation
         node.args = (node.args[0], mode, list(node.args[3]), placement.dim, reach, ctx.mesh.coordinate(axis),

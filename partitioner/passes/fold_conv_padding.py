@@ -85,8 +85,8 @@ def folds(conv: Node) -> tuple[list[list[int]], list[int], str] | None:
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     del ctx
     graph = gm.graph
-    for conv in [n for n in graph.nodes if folds(n)]:
-        (pairs, left, mode), pad = folds(conv), conv.args[0]
+    for conv, (pairs, left, mode) in [(n, found) for n in graph.nodes if (found := folds(n))]:
+        pad = conv.args[0]
         source = pad.args[0]
         if any(left):
             with graph.inserting_after(pad):

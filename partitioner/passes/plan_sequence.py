@@ -40,6 +40,7 @@ from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, Shard, any_sharded, packed_shard, unit_of
 from ..rules import Decision, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.attention import RING_AXES
+from ..rules.conv import GROUPS_ARGUMENT
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.propagate import sweep
 from ..rules.sequence_dims import SequenceDims, find_sequence_dims
@@ -74,8 +75,6 @@ def _convolved_rows(gm: GraphModule, model_tensors: set[Node]) -> dict[Node, int
     every convolution, split along its height (its first spatial dim of the last two; a 1D signal's time), so that
     a convolutional network is split as its attention-bearing kind is. An op that cannot carry the split gathers
     its input; the next convolution's input is split again."""
-    from ..rules.conv import GROUPS_ARGUMENT
-
     seeds = {}
     for node in gm.graph.nodes:
         x = node.args[0] if node.target in GROUPS_ARGUMENT and node.args else None
@@ -117,9 +116,9 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     the sequence back. With ``gather_done``, so does a refusal after the last attention *a seed's rows reach*
     (``own``): the value reaching it is gathered right where it is made (``gathered``), its own attention having
     run sharded (H3's text refiner, whose rows are then packed into the main sequence by index)."""
-    def seeded(node: Node):
-        dim, unit = seeds[node], units.get(node, 1)
-        return Shard(dim) if unit == 1 else packed_shard(dim, (shape_of(node)[dim],), unit, ctx.mesh.size(axis))
+    def seeded(node: Node):  # a plain shard, or in whole groups of rows (strided convolutions ahead)
+        dim = seeds[node]
+        return packed_shard(dim, (shape_of(node)[dim],), units.get(node, 1), ctx.mesh.size(axis))
 
     introduced = set()  # the seeds whose sharding starts here (others are sharded already by a seed before them)
 

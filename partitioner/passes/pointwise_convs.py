@@ -55,13 +55,13 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         channels_last = [0, *range(2, ndim), 1]
         with graph.inserting_before(conv):
             moved = new_node(graph, aten.permute.default, (x, channels_last), conv,
-                         x.meta["val"].permute(channels_last))
+                             x.meta["val"].permute(channels_last))
             matrix = new_node(graph, aten.squeeze.dims, (weight, list(range(2, ndim))), conv,
-                          weight.meta["val"].squeeze(list(range(2, ndim))))
-            linear = new_node(graph, aten.linear.default, (moved, matrix) + ((bias,) if bias is not None else ()), conv,
-                          conv.meta["val"].permute(channels_last))
+                              weight.meta["val"].squeeze(list(range(2, ndim))))
+            linear = new_node(graph, aten.linear.default, (moved, matrix) + ((bias,) if bias is not None else ()),
+                              conv, conv.meta["val"].permute(channels_last))
             back = new_node(graph, aten.permute.default, (linear, [0, ndim - 1, *range(1, ndim - 1)]), conv,
-                        conv.meta["val"])
+                            conv.meta["val"])
         conv.replace_all_uses_with(back)
         graph.erase_node(conv)
     return gm

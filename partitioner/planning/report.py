@@ -169,7 +169,8 @@ def held_bytes(node) -> int:
 
 def _workspace(node) -> int:
     """Bytes an op holds only while it runs: eager rms_norm's intermediate product (a composite of pow, mean,
-    rsqrt and two muls), a halo convolution's edge rows with the rows borrowed for them, a ring attention's key/value blocks
+    rsqrt and two muls), a halo convolution's edge rows with the rows borrowed for them, a ring attention's
+    key/value blocks
     in flight (the one it sends on and the one arriving), its float32 partial results (the running output and
     this block's, merged in place) and, off CPU, each block's scores. (An issued collective's buffers are values:
     ``held_bytes``.)"""

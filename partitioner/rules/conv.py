@@ -2,9 +2,11 @@
 dims through its kernel and, inside each group, its channels:
 - a sharded batch passes through (every sample is convolved alone);
 - over a sequence axis (ring, ulysses), rows of a spatial dim split in order (evenly or not: a VAE's odd latent
-  height) pass through a convolution that keeps that dim's size (stride 1, padding half the kernel's reach): ``insert_collectives`` makes it a
-  ``collectives.halo_convolution``, each rank borrowing the kernel's reach of rows from its two neighbours (Sana's
-  3x3 depthwise convolution over an image whose rows Ulysses splits);
+  height) pass through any convolution whose every rank computes the output rows of its own rows (``split_rows``:
+  same-size, strided when every rank starts at a multiple of the stride, transposed): ``collective_kernels`` makes
+  it a ``collectives.halo_convolution`` (or ``halo_transposed_convolution``), each rank borrowing the rows its
+  kernel reaches from its two neighbours (Sana's 3x3 depthwise convolution over an image whose rows Ulysses
+  splits; a VAE's decoder and encoder);
 - sharded channels pass through a grouped convolution that keeps its channel count (depthwise: Sana's 3x3 between
   its two pointwise convolutions) when every rank's channels are whole groups; its weight and bias are cut alike and
   ``localize`` gives each rank its own number of groups;
@@ -17,7 +19,7 @@ import torch
 from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, Partial, Shard, is_sharded, packed_shard, shard_slices, shard_widths, unit_of
+from ..placement import PackedShard, Partial, boundary_unit, is_sharded, packed_shard, shard_slices, shard_widths
 from ..runtime import collectives
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, shape_of, with_dim
 
@@ -125,10 +127,13 @@ def split_rows(node: Node, placement, axis_size: int):
     strided convolution needs every rank's first row at a multiple of the stride (``NeedsUnit``)."""
     x, dim = node.args[0], placement.dim
     size, out, spatial = shape_of(x)[dim], shape_of(node)[dim], dim - 2
-    stride = conv_arguments(node)[0][spatial]
-    if conv_arguments(node)[3] and not (isinstance(placement, PackedShard) and len(placement.blocks) > 1):
+    strides, _, _, transposed = conv_arguments(node)
+    stride = strides[spatial]
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim} packed from several parts")
+    if transposed:
         return _split_rows_transposed(node, placement, axis_size)
-    if isinstance(placement, PackedShard) and len(placement.blocks) > 1 or out * stride != size:
+    if out * stride != size:
         raise Unshardable(f"convolution over the sharded spatial dim {dim} maps {size} rows to {out} (stride "
                           f"{stride}, padding {padding_pairs(node)[spatial]}): not each rank's rows / stride")
     before, after = halo_rows(node, dim)
@@ -145,11 +150,10 @@ def split_rows(node: Node, placement, axis_size: int):
                           "borrows" + (" or its own edge mirrors" if mirrored else ""))
     if stride == 1:
         return placement
-    unit = unit_of(placement)
-    if unit % stride and not (size % axis_size == 0 and unit == 1):
+    unit = boundary_unit(placement, size, axis_size)
+    if unit % stride:
         raise NeedsUnit(x, stride)
-    result = Shard(dim) if size % axis_size == 0 and unit == 1 else packed_shard(dim, (out,), unit // stride,
-                                                                                 axis_size)
+    result = packed_shard(dim, (out,), unit // stride, axis_size)
     if shard_widths(result, out, axis_size) != [w // stride for w in widths]:
         raise Unshardable(f"strided convolution over the sharded spatial dim {dim}: rows {widths} do not map to "
                           f"whole output rows per rank")
@@ -171,8 +175,7 @@ def _split_rows_transposed(node: Node, placement, axis_size: int):
     if min(widths) < max(before, after):
         raise Unshardable(f"transposed convolution over the sharded spatial dim {dim}: {size} rows split {widths}, "
                           f"fewer on some rank than the {max(before, after)} its neighbour borrows")
-    unit = unit_of(placement) if isinstance(placement, PackedShard) or size % axis_size else size // axis_size
-    return packed_shard(dim, (out,), unit * stride[spatial], axis_size)
+    return packed_shard(dim, (out,), boundary_unit(placement, size, axis_size) * stride[spatial], axis_size)
 
 
 def halo_rows(node: Node, dim: int) -> tuple[int, int]:

@@ -36,7 +36,8 @@ def _reduced(node: Node, placements, dims, keepdim: bool) -> Decision:
     if not is_sharded(placement):
         return decision
     ndim = len(shape_of(source))
-    dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
+    dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim)
+                                                   for d in ([dims] if isinstance(dims, int) else dims)]
     if placement.dim in dims:
         raise Unshardable(f"{node.target.__name__} reduces over the sharded dim {placement.dim}")
     shift = 0 if keepdim else sum(d < placement.dim for d in dims)

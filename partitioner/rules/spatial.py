@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from ..mesh import SEQUENCE_AXES
-from ..placement import PackedShard, is_sharded, packed_shard, shard_widths, unit_of
+from ..placement import PackedShard, boundary_unit, is_sharded, packed_shard, shard_widths, unit_of
 from .core import Decision, NeedsUnit, R, Unshardable, register, register_factory, same_as_input, shape_of
 
 aten = torch.ops.aten
@@ -137,10 +137,12 @@ def pixel_shuffle(node: Node, placements, axis_size: int) -> Decision:
     decision = same_as_input(node, placements, source)
     if not is_sharded(placement) or placement.dim < len(shape_of(source)) - 3:
         return decision
-    if placement.dim == len(shape_of(source)) - 3 or isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+    if placement.dim == len(shape_of(source)) - 3:
         raise Unshardable(f"{node.target.__name__} regroups the sharded channels")
+    if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
+        raise Unshardable(f"{node.target.__name__} of a spatial dim packed from several parts")
     rows, out, factor = shape_of(source)[placement.dim], shape_of(node)[placement.dim], node.args[1]
-    unit = unit_of(placement) if isinstance(placement, PackedShard) or rows % axis_size else rows // axis_size
+    unit = boundary_unit(placement, rows, axis_size)
     if node.target is aten.pixel_shuffle.default:
         return Decision(packed_shard(placement.dim, (out,), unit * factor, axis_size), decision.inputs)
     if unit % factor:

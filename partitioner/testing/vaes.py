@@ -144,11 +144,12 @@ def small_tiles(vae, tile: int) -> dict:
 
 
 def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, break_halo: bool = False,
-                    tile: int | None = None):
+                    tile: int | None = None, local_norms: bool = False):
     """On every rank: the VAE's decode partitioned over a ring of ``world`` (rows split along height) against the
     whole decode; (max error, max magnitude, halo convolutions, sharded group norms, ring attentions).
     ``break_halo``: the negative control, every halo exchange's borrowed rows replaced by zeros (the convolutions'
-    padding). ``tile``: the VAE's own tiled decode, tiles of ``tile`` pixels overlapping by half (the partitioned
+    padding). ``local_norms``: the other negative control, every group norm normalising with this rank's
+    statistics alone. ``tile``: the VAE's own tiled decode, tiles of ``tile`` pixels overlapping by half (the partitioned
     decode follows the tiles)."""
     from collections import Counter
 
@@ -170,6 +171,11 @@ def decode_on_ranks(rank: int, world: int, name: str, height: int, width: int, b
                 x, weight, bias, stride, padding, dilation, groups = node.args[:7]
                 node.target = collectives.padded_convolution
                 node.args = (x, weight, bias, stride, padding, dilation, groups)
+    if local_norms:
+        for node in partitioned.graph_module.graph.nodes:
+            if node.target is collectives.sharded_group_norm:
+                node.target, node.args = torch.ops.aten.group_norm.default, node.args[:5]
+    if break_halo or local_norms:
         partitioned.graph_module.recompile()
     out = partitioned.compile()(z, return_dict=False)[0]
     with torch.no_grad():
