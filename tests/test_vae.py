@@ -176,6 +176,11 @@ def test_negative_control_without_the_halo_exchange_is_wrong(pools):
     assert error > 1e-2
 
 
+def test_negative_control_group_norms_with_each_ranks_statistics_alone_are_wrong(pools):
+    error, *_ = pools[2].run(decode_on_ranks, "autoencoder_kl", 7, 6, False, None, True)[0]
+    assert error > 1e-2
+
+
 def test_whole_decoder_is_split_and_only_the_image_is_gathered():
     """Planned for 4 ranks without processes: every convolution of the decoder runs on split rows (none is
     replicated), and the only gather is the decoded image's."""
