@@ -86,7 +86,7 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
     traced once per size and planned for rank programs (as a DeviceMesh partition plans): the share of parameter
     bytes every rank holds whole at TP=``degree``, and the attentions sequence-sharded at each of
     ``SEQUENCE_MESHES``, with the first reason one is left whole."""
-    from partitioner.errors import DataDependentNumber, PartitionerError
+    from partitioner.errors import DataDependentNumber, PartitionerError, TraceError
     from partitioner.frontend.trace import trace
     from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
 
@@ -107,7 +107,12 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     try:
-                        cells = _cells(trace(model, (args, kwargs)), model, name, degree, params)
+                        try:
+                            traced = trace(model, (args, kwargs))
+                        except TraceError:  # a branch on a float input's values: given with its values, guarded
+                            args, kwargs = ZOO[name].make_inputs(config(name, full=True), 0, **shape)
+                            traced = trace(model, (args, kwargs))
+                        cells = _cells(traced, model, name, degree, params)
                     except DataDependentNumber:  # as partition() does: traced again for its masks' values
                         cells = _cells(trace(model, (args, kwargs), specialize_values=True), model, name, degree,
                                        params)

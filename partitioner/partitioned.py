@@ -194,7 +194,7 @@ class Partitioned:
             lines = [self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
                                                      *self.ctx.batch_split]]
             return "\n".join(lines + ([f"between the tp regions: {self.ctx.tp_sequence}"] if self.ctx.tp_sequence
-                                      else []))
+                                      else []) + self._value_lines())
         if module_path in self.ctx.sequence_attention:
             return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
         if module_path in self.ctx.batch_split:
@@ -209,6 +209,15 @@ class Partitioned:
         scattered = self.ctx.reduce_scattered.get(module_path)
         return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "") + \
             (f"; its all_reduce {chunked}" if chunked else "") + (f"; its sum {scattered}" if scattered else "")
+
+    def _value_lines(self) -> list[str]:
+        """What the trace read of its inputs' values: the inputs pinned, and the guards replayed per call."""
+        names = input_names(self.traced.in_spec)
+        lines = [f"traced for the values of {names[i]} (read: {self.traced.value_reads[0]})"
+                 for i in sorted(self.traced.values)]
+        guards = self.traced.guards.guards if self.traced.guards is not None else []
+        return lines + [f"guard: {guard.describe()}; a call where it comes out otherwise is traced again"
+                        for guard in guards]
 
     def verify(self, *args, rtol: float = 1e-4, atol: float = 1e-5, **kwargs):
         """Run this rank's program and the unpartitioned model on the same forward arguments and compare every
@@ -331,7 +340,7 @@ def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, 
             start = time.perf_counter()
             retraced = trace(model, example_inputs, specialize_values=True)
             traced_s += time.perf_counter() - start
-            if not retraced.values:  # no integer or boolean input it derives from
+            if not retraced.values and retraced.guards is None:  # no input whose values it reads
                 raise
             partitioned = partition_with(retraced)
     if isinstance(partitioned, Partitioned):  # (plan() partitions into its decision only)
@@ -408,9 +417,11 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
     ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
                       buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
                       overlap=Overlap.parse(overlap))
-    read = {ctx.input_names[i] for i in traced.values} & {name for name, _ in ctx.buckets}
+    guarded = traced.guards.inputs if traced.guards is not None else set()
+    read = ({ctx.input_names[i] for i in traced.values} | guarded) & {name for name, _ in ctx.buckets}
     if read:  # the values read would include the bucket's padding: the trace would be exact for the padded call
-        raise PartitionError(f"{model_name} reads the values of {sorted(read)} ({traced.value_reads[0]}), which "
+        where = traced.value_reads[0] if traced.value_reads else traced.guards.guards[0].read
+        raise PartitionError(f"{model_name} reads the values of {sorted(read)} ({where}), which "
                              "buckets pad; drop the bucket for it (each size is then traced on its own)")
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)

@@ -25,7 +25,7 @@ class Scaled(torch.nn.Module):
 
 class DataDependent(Scaled):
     def forward(self, x, scale: float = 1.0):
-        if x.sum() > 0:
+        if self.lin(x).sum() > 0:  # a branch on an activation (a branch on an input alone is a guard)
             return self.lin(x)
         return x
 

@@ -49,6 +49,23 @@ def test_gather_along_another_dim_splits_table_and_index_alike_when_they_match()
         _decide(node, {p: Shard(0)})
 
 
+def test_embedding_of_split_indices_reads_a_whole_table():
+    """A condition-type id per text row (HunyuanVideo 1.5's ``cond_type_embed``): the indices' rows split, the table
+    whole; a table split by features gives those features; a table split by rows is refused (any index may need
+    any row), checked against the op's values."""
+    table, ids = torch.randn(3, 8), torch.randint(0, 3, (1, 6))
+    node, (t, i) = _node(lambda t, i: torch.nn.functional.embedding(i, t), table, ids, target=aten.embedding.default)
+    decision = _decide(node, {i: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs[t] == R
+    whole = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(torch.cat([torch.nn.functional.embedding(part, table) for part in ids.chunk(2, 1)], 1), whole)
+    assert _decide(node, {t: Shard(1)}).output == Shard(2)
+    with pytest.raises(Unshardable):
+        _decide(node, {t: Shard(0)})
+    with pytest.raises(Unshardable):
+        _decide(node, {t: Shard(1), i: Shard(1)})
+
+
 def test_repeat_passes_a_shard_only_where_it_is_not_tiled():
     x = torch.randn(2, 8, 1, 4)
     node, (a,) = _node(lambda a: a.repeat(1, 1, 3, 1), x, target=aten.repeat.default)

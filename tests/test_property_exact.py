@@ -3,7 +3,10 @@ on every rank. Never a wrong result, never a raw exception, never ranks that dis
 
 The models vary what the rules must handle: head counts and lengths that do not divide the degrees, joint
 text+image attention, q/k norms per head or across heads, a rotary embedding written into q and k in place,
-AdaLN modulation, GELU or a fused SwiGLU. Four gloo ranks stay alive across examples (``RankPool``).
+AdaLN modulation from one timestep or one per row (a timestep per frame), GELU or a fused SwiGLU, grouped key/value
+heads, a control input adding hints into the block, text given as a list of tensors, Python branches on a float
+input (a guard) or an integer one (traced for its values), and text rows reordered by their mask before the joint
+attention. Four gloo ranks stay alive across examples (``RankPool``).
 Tolerance: float32 with sums reordered by sharding, 1e-5 relative to the output's magnitude (test_tp_numerics).
 """
 
@@ -23,30 +26,48 @@ MESHES = {"tp4": ((4,), ("tp",)), "ulysses4": ((4,), ("ulysses",)), "tp2xulysses
 
 
 class TinyDiT(nn.Module):
-    def __init__(self, heads, head_dim, qk_norm, rope, mlp, text):
+    def __init__(self, heads, head_dim, qk_norm, rope, mlp, text, kv_heads=None, control=False, branch="none",
+                 reorder=False):
         super().__init__()
         dim = heads * head_dim
         self.heads, self.qk_norm, self.rope, self.mlp, self.text = heads, qk_norm, rope, mlp, text
+        self.kv_heads, self.branch, self.reorder = kv_heads or heads, branch, reorder
         self.modulation = nn.Linear(8, 2 * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False)
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.q, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.k, self.v = (nn.Linear(dim, self.kv_heads * head_dim) for _ in range(2))
         self.text_proj = nn.Linear(6, dim)
-        width = head_dim if qk_norm == "head" else dim
-        self.q_norm, self.k_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.control_proj = nn.Linear(dim, dim) if control else None
+        width = head_dim if qk_norm == "head" else self.kv_heads * head_dim
+        self.q_norm = nn.RMSNorm(head_dim if qk_norm == "head" else dim)
+        self.k_norm = nn.RMSNorm(width)
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(2 * dim if mlp == "swiglu" else 4 * dim, dim)
 
-    def forward(self, x, cond, angle, text=None):
-        shift, scale = self.modulation(cond).unsqueeze(1).chunk(2, -1)
+    def forward(self, x, cond, angle, text=None, mask=None, control=None):
+        modulation = self.modulation(cond)  # one timestep, or one per row (a timestep per frame)
+        shift, scale = (modulation if cond.dim() == 3 else modulation.unsqueeze(1)).chunk(2, -1)
+        if self.branch == "float" and bool(cond.mean() > 0):  # a Python branch on a float input: a guard
+            shift = shift * 0.5
+        if self.branch == "int" and int(mask.sum()) == mask.numel():  # on an integer input: traced for its values
+            scale = scale * 2
         h = self.norm(x) * (1 + scale) + shift
+        if control is not None:  # a control branch adding hints into the main block
+            h = h + self.control_proj(control)
         if text is not None:
-            h = torch.cat([self.text_proj(text), h], 1)
+            t = self.text_proj(torch.cat(text, 1) if isinstance(text, list) else text)
+            if self.reorder:  # valid text rows first, the padded ones zeroed after them (by the mask's values)
+                t = torch.stack([torch.cat([r[m], torch.zeros_like(r[~m])]) for r, m in zip(t, mask.bool())])
+            h = torch.cat([t, h], 1)
         q, k, v = self.q(h), self.k(h), self.v(h)
         if self.qk_norm == "full":  # across heads, as Wan and LTX-Video do
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        q = q.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (self.kv_heads, -1)).transpose(1, 2) for t in (k, v))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.kv_heads != self.heads:  # grouped key/value heads, each serving heads // kv_heads query heads
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         if self.rope:  # rotate the image rows in place, as CogVideoX does
             rows = self.text
             q[:, :, rows:] = q[:, :, rows:] * angle.cos() + q[:, :, rows:].flip(-1) * angle.sin()
@@ -64,14 +85,27 @@ class TinyDiT(nn.Module):
 
 def build(config: dict):
     torch.manual_seed(config["seed"])
-    model = TinyDiT(config["heads"], config["head_dim"], config["qk_norm"], config["rope"], config["mlp"],
-                    config["text"]).eval()
+    heads, text = config["heads"], config["text"]
+    kv_heads = heads // 2 if config.get("grouped") and heads % 2 == 0 else heads
+    model = TinyDiT(heads, config["head_dim"], config["qk_norm"], config["rope"], config["mlp"], text,
+                    kv_heads=kv_heads, control=config.get("control", False), branch=config.get("branch", "none"),
+                    reorder=config.get("reorder", False) and text > 0).eval()
     g = torch.Generator().manual_seed(config["seed"])
-    dim = config["heads"] * config["head_dim"]
-    inputs = dict(x=torch.randn(1, config["rows"], dim, generator=g), cond=torch.randn(1, 8, generator=g),
-                  angle=torch.randn(config["rows"], config["head_dim"], generator=g))
-    if config["text"]:
-        inputs["text"] = torch.randn(1, config["text"], 6, generator=g)
+    dim = heads * config["head_dim"]
+    rows = config["rows"]
+    cond = torch.randn(1, rows, 8, generator=g) if config.get("per_frame") else torch.randn(1, 8, generator=g)
+    inputs = dict(x=torch.randn(1, rows, dim, generator=g), cond=cond,
+                  angle=torch.randn(rows, config["head_dim"], generator=g))
+    if text:
+        rows_of_text = torch.randn(1, text, 6, generator=g)
+        inputs["text"] = [rows_of_text[:, :1], rows_of_text[:, 1:]] if config.get("listed") and text > 1 \
+            else rows_of_text
+    if model.branch == "int" or model.reorder:
+        mask = torch.ones(1, max(text, 1), dtype=torch.int64)
+        mask[:, : config["seed"] % max(text, 1)] = 0  # padding first: the reorder moves rows
+        inputs["mask"] = mask
+    if config.get("control"):
+        inputs["control"] = torch.randn(1, rows, dim, generator=g)
     return model, inputs
 
 
@@ -102,7 +136,9 @@ def ranks():
 configs = st.fixed_dictionaries(dict(
     heads=st.integers(1, 6), head_dim=st.sampled_from([4, 8]), rows=st.integers(1, 9), text=st.integers(0, 3),
     qk_norm=st.sampled_from(["none", "head", "full"]), rope=st.booleans(), mlp=st.sampled_from(["gelu", "swiglu"]),
-    mesh=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 3)))
+    mesh=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 3), grouped=st.booleans(), control=st.booleans(),
+    branch=st.sampled_from(["none", "int", "float"]), reorder=st.booleans(), per_frame=st.booleans(),
+    listed=st.booleans()))
 
 
 def _check(outcomes: list, config: dict) -> None:
@@ -119,10 +155,15 @@ def test_random_dits_are_exact_or_refused_on_every_rank(ranks, config):
     _check(ranks.run(_case, config), config)
 
 
+@pytest.mark.parametrize("features", ["plain", "every feature"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh):
-    """The property must not pass by refusing: 4 heads and 8 rows divide every degree here."""
-    config = dict(heads=4, head_dim=8, rows=8, text=2, qk_norm="head", rope=True, mlp="swiglu", mesh=mesh, seed=0)
+def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh, features):
+    """The property must not pass by refusing: 4 heads and 8 rows divide every degree here, with every feature the
+    generator draws too (grouped heads, a control input, a float branch, reordered text, a timestep per row, text as
+    a list)."""
+    config = dict(heads=4, head_dim=8, rows=8, text=2, qk_norm="head", rope=True, mlp="swiglu", mesh=mesh, seed=1)
+    if features != "plain":
+        config.update(grouped=True, control=True, branch="float", reorder=True, per_frame=True, listed=True)
     outcomes = ranks.run(_case, config)
     _check(outcomes, config)
     assert all(outcome[0] == "exact" and outcome[2] for outcome in outcomes), outcomes

@@ -16,6 +16,7 @@ is wrong.
 from __future__ import annotations
 
 import contextlib
+import re
 from unittest import mock
 
 import pytest
@@ -298,8 +299,10 @@ def _reordered(rank, world, mode, broken):
     following = value_specialization.ValueShadow._masks_as_indices
 
     def reversed_rows(self, index, device):  # the negative control: the same rows picked in reverse order
-        replaced, roots = following(self, index, device)
-        return tuple(p.flip(0) if isinstance(p, torch.Tensor) else p for p in replaced) if roots else replaced, roots
+        replaced, real = following(self, index, device)
+        if real is None:
+            return replaced, real
+        return tuple(p.flip(0) if isinstance(p, torch.Tensor) else p for p in replaced), real
 
     with mock.patch.object(value_specialization.ValueShadow, "_masks_as_indices", reversed_rows) \
             if broken else contextlib.nullcontext():
@@ -326,14 +329,124 @@ def test_negative_control_rows_picked_at_other_positions_are_wrong(pools):
     assert min(r["error"] for r in results) > 1e-2, results
 
 
-def _run_on(pools, case, mode, broken):
-    return pools[2 if MODES[mode][0] == (2,) else 4].run(case, mode, broken)
+def _run_on(pools, case, mode, *args):
+    return pools[2 if MODES[mode][0] == (2,) else 4].run(case, mode, *args)
 
 
-def test_a_float_input_is_never_specialised():
-    """A branch on a float input's values (latents, a timestep: they change at every step) stays a trace error
-    that names the model's line; only integer and boolean inputs are specialised."""
-    class BranchOnFloat(torch.nn.Module):
+class ImageOrTextOnly(torch.nn.Module):
+    """A text-to-video / image-to-video switch decided in Python by whether a float input is all zeros (HunyuanVideo
+    1.5's idiom): the image tokens' mask is made by a factory in each branch, the tokens are reordered by it (valid
+    first, the rest zeroed) and join the latent rows in one attention masked by it."""
+
+    def __init__(self):
+        super().__init__()
+        width = HEADS * HEAD_DIM
+        self.qkv, self.image_qkv = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, 3 * width)
+        self.time = torch.nn.Linear(1, width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, image_embeds: torch.Tensor):
+        image = self.image_qkv(image_embeds)
+        if torch.all(image_embeds == 0):  # text to video: no image tokens attended
+            image = image * 0.0
+            mask = torch.zeros(image.shape[:2], dtype=torch.long)
+        else:
+            mask = torch.ones(image.shape[:2], dtype=torch.long)
+        mask = mask.bool()
+        image = torch.stack([torch.cat([t[m], torch.zeros_like(t[~m])]) for t, m in zip(image, mask)])
+        mask = torch.stack([torch.cat([m[m], m[~m]]) for m in mask])
+        heads = lambda t: t.unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)  # noqa: E731
+        q, k, v = (heads(t) for t in (self.qkv(x + self.time(timestep[:, None, None]))).chunk(3, dim=-1))
+        iq, ik, iv = (heads(t) for t in image.chunk(3, dim=-1))
+        keys = torch.cat([torch.ones(x.shape[:2], dtype=torch.bool), mask], 1)[:, None, None, :]
+        joint = F.scaled_dot_product_attention(torch.cat([q, iq], 2), torch.cat([k, ik], 2), torch.cat([v, iv], 2),
+                                               attn_mask=keys)
+        return self.out(joint.transpose(1, 2).flatten(2))
+
+
+def _switch_inputs(image: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, t = torch.randn(1, ROWS, HEADS * HEAD_DIM, generator=g), torch.rand(1, generator=g)
+    embeds = torch.randn(1, TEXT, HEADS * HEAD_DIM, generator=g) if image else torch.zeros(1, TEXT, HEADS * HEAD_DIM)
+    return x, t, embeds
+
+
+def _guarded(rank, world, mode, image, broken=False):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = ImageOrTextOnly().eval()
+    shape, names = MODES[mode]
+    partitioned = partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names),
+                            (_switch_inputs(image, seed=0), {}))
+    module = partitioned.compile()
+
+    def error(inputs, run):
+        with torch.no_grad():
+            return (run(*inputs) - model(*inputs)).abs().max().item()
+
+    same_branch, other_branch = _switch_inputs(image, seed=1), _switch_inputs(not image, seed=2)
+    result = dict(error=error(_switch_inputs(image, seed=0), module), pinned=dict(partitioned.traced.values),
+                  guards=[str(g.read) for g in partitioned.traced.guards.guards],
+                  explained=[line for line in partitioned.explain().splitlines() if line.startswith("guard: ")],
+                  sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.startswith("sequence")])
+    if broken:  # the negative control: the program run on the other branch's input, its guard dropped
+        partitioned.traced.guards = None
+        result["other_error"] = error(other_branch, module.program)
+        return result
+    result["same_branch_error"] = error(same_branch, module.program)  # new latents, timestep, embeds: not pinned
+    try:
+        module.program(*other_branch)
+        result["program"] = "accepted"
+    except InputError as refusal:
+        result["program"] = str(refusal)
+    result["other_error"] = error(other_branch, module)  # the module traces again for the other branch
+    result["back_error"] = error(same_branch, module)  # and the first program serves the first branch again
+    result["specializations"] = list(module.specializations)
+    diverged = _switch_inputs(image if rank == 0 else not image, seed=3)  # one rank's embeds take the other branch
+    try:
+        module.program(*diverged)
+        result["diverged"] = "accepted"
+    except InputError as refusal:
+        result["diverged"] = str(refusal).splitlines()[0]
+    return result
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text_only", "image"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_branch_on_a_float_input_is_a_guard_and_exact(pools, mode, image):
+    """A Python branch on a float input's values: traced for the example's branch, exact on every rank with the
+    joint attention sequence-sharded; only the predicate is pinned (other latents, timestep and embeddings of the
+    same branch run on the traced program); the other branch is refused by the program with an InputError naming the
+    input and the model's line, and served by the drop-in module traced again; a rank whose input alone takes the
+    other branch is refused on every rank."""
+    for rank, result in enumerate(_run_on(pools, _guarded, mode, image)):
+        assert result["pinned"] == {}, result
+        assert result["guards"] == ["Tensor.__bool__ of image_embeds at test_value_specialization.py:"
+                                    f"{ImageOrTextOnly.forward.__code__.co_firstlineno + 2} in forward: "
+                                    "if torch.all(image_embeds == 0):  # text to video: no image tokens attended"]
+        assert result["explained"] == [f"guard: {result['guards'][0]} (traced: {not image}); a call where it comes "
+                                       "out otherwise is traced again"], result["explained"]
+        for key in ("error", "same_branch_error", "other_error", "back_error"):
+            assert result[key] <= TOLERANCE, (rank, key, result)
+        assert "for this call's image_embeds, Tensor.__bool__ of image_embeds at test_value_specialization.py" \
+            in result["program"] and "comes out otherwise" in result["program"], result["program"]
+        assert len(result["specializations"]) == 1 and "otherwise" in result["specializations"][0], result
+        assert "image_embeds" in result["diverged"], result["diverged"]
+        if MODES[mode][1][-1] == "ulysses":
+            assert result["sharded"], result
+
+
+def test_negative_control_the_other_branch_without_its_guard_is_wrong(pools):
+    results = _run_on(pools, _guarded, "ulysses2", True, True)
+    assert min(r["other_error"] for r in results) > 1e-2, results
+    assert max(r["error"] for r in results) <= TOLERANCE, results
+
+
+def test_a_number_read_from_a_float_input_is_pinned_and_only_it():
+    """``t.item() > 0.5``: Python compares the number, which the shadow cannot see; the number read is what is
+    pinned (a call with another timestep is refused by the program, never run on the other branch)."""
+    class BranchOnItem(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.proj = torch.nn.Linear(4, 4)
@@ -341,8 +454,12 @@ def test_a_float_input_is_never_specialised():
         def forward(self, x, t):
             return self.proj(x) * (2.0 if t.item() > 0.5 else 1.0)
 
-    with pytest.raises(TraceError, match=r"test_value_specialization.py:\d+ in forward"):
-        partition(BranchOnFloat(), {"tp": 2}, ((torch.randn(2, 4), torch.tensor(0.7)), {}))
+    traced = _trace(BranchOnItem(), torch.randn(2, 4), torch.tensor(0.7))
+    assert traced.values == {} and [g.expected for g in traced.guards.guards] == [pytest.approx(0.7)]
+    assert traced.guards.failed([torch.randn(2, 4), torch.tensor(0.7)]) is None  # other latents: the same trace
+    failed = traced.guards.failed([torch.randn(2, 4), torch.tensor(0.3)])
+    assert failed is not None and re.search(r"Tensor.item of t at test_value_specialization.py:\d+ in forward",
+                                            str(failed.read))
 
 
 # --- what the shadow follows, and what it refuses (traced in this process) -------------------------------------------
@@ -376,9 +493,13 @@ def test_in_place_writes_of_specialised_values_are_followed():
 
 def test_a_value_written_from_other_inputs_into_a_read_tensor_is_refused():
     class MixedWrite(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
         def forward(self, x, mask):
             m = mask.clone()
-            m[:, 0] = x[:, 0] > 0  # the shadow cannot follow: x has no value in the trace
+            m[:, 0] = self.proj(x)[:, 0] > 0  # the shadow cannot follow: a weight's values are not traced
             return x * int(m.sum())
 
     with pytest.raises(TraceError, match="writes in place into a tensor computed from mask, whose values the trace"):
@@ -389,9 +510,13 @@ def test_writes_through_another_view_or_by_a_random_fill_are_refused():
     """Roots are kept per storage: a view made with an unshadowed argument (``view_as``) still writes the read
     tensor's storage, and a random fill cannot be computed alongside."""
     class WritesThroughViewAs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(8))
+
         def forward(self, x, mask):
             m = mask.clone()
-            m.view_as(x).add_(1)
+            m.view_as(self.w).add_(self.w.long())
             return x[: int(m.sum())]
 
     class RandomFill(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The model zoo: 24 diffusers transformers (tiny, random: ``partitioner.testing.zoo``), each partitioned with no
+"""The model zoo: 25 diffusers transformers (tiny, random: ``partitioner.testing.zoo``), each partitioned with no
 per-model code in TP=2, Ulysses=2 and TP=2 x Ulysses=2, exact on every rank against the unpartitioned model or
 refused with a documented reason (below). Two gloo pools (2 and 4 ranks) serve every case, so the zoo pays process
 start-up twice. Tolerance 1e-5 relative to the output's magnitude, float32 with sums reordered (test_tp_numerics).
@@ -32,7 +32,7 @@ REFUSED = {
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
                     "hunyuan_video": 5, "sana": 2, "lumina2": 4, "mochi": 2, "chroma": 4, "bria": 4, "skyreels_v2": 4,
-                    "chronoedit": 4, "wan_vace": 8, "kandinsky5": 5, "easyanimate": 2}
+                    "chronoedit": 4, "wan_vace": 8, "kandinsky5": 5, "easyanimate": 2, "hunyuan_video15": 3}
 # odd lengths for the sequence-parallel modes: 7 text rows (and H3's 5 text, 15 video, 5 audio rows; ChronoEdit
 # takes the last 512 rows as text, as its pipeline pads them, so its odd part is 7 image rows)
 ODD = {"minimax_h3": dict(text=5, video=15, audio=5), "chronoedit": dict(text=512, pad=505, image_rows=7)}

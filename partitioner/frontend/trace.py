@@ -22,7 +22,8 @@ from torch.utils._sympy.numbers import int_oo
 from ..errors import TraceError, our_step
 from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
-from .value_specialization import ValueRead, ValueShadow, forward_replaced, model_line, shadowing_forward, specializable
+from .value_guards import Guards, ValueRead
+from .value_specialization import ValueShadow, forward_replaced, model_line, shadowing_forward, shadowable
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Traced:
     values: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     value_reads: list[ValueRead] = field(default_factory=list)  # where the model read them
     values_specialized: bool = False  # traced with value specialisation (then every retrace is too)
+    guards: Guards | None = None  # what it read of float inputs, replayed per call (value_guards)
 
 
 def argument_name(path: tuple) -> str:
@@ -285,14 +287,14 @@ def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor],
             real_buffers: dict[str, torch.Tensor]):
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name);
-    ``real_buffers`` traced as meta ones. Returns the program and where the model read the values."""
+    ``real_buffers`` traced as meta ones. Returns the program and the shadow (where the model read the values)."""
     shadow = ValueShadow(type(model).__module__.split(".")[0])
     replaced = forward_replaced(model, shadowing_forward(model, shadow, values, argument_name)) if values else \
         contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
         with replaced, autocast_on_meta(model), buffers_on_meta(model, real_buffers), torch.no_grad():
-            return torch.export.export(model, (), kwargs=named), shadow.reads
+            return torch.export.export(model, (), kwargs=named), shadow
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TraceError(
@@ -306,9 +308,9 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
 def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = False) -> Traced:
     """Export ``model`` called with ``example_inputs = (args, kwargs)``, keyword-normalised.
 
-    A model that reads its integer or boolean inputs' values in Python is traced for this call's values when it
-    cannot be traced symbolically (or at once with ``specialize_values``, as ``partition`` asks when the host
-    prologue cannot take a data-dependent size): see ``value_specialization``."""
+    A model that reads its inputs' values in Python is traced for this call's values (integer and boolean inputs
+    pinned, float ones guarded) when it cannot be traced symbolically, or at once with ``specialize_values``, as
+    ``partition`` asks when the host prologue cannot take a data-dependent size: see ``value_specialization``."""
     owner = type(model).__name__
     register_output_types()
     if not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
@@ -326,23 +328,24 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
         raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
     leaves = pytree.tree_flatten_with_path(((), named))[0]
     names = [argument_name(path[1:]) for path, _ in leaves]
-    values = {name: leaf for name, (_, leaf) in zip(names, leaves) if specializable(leaf)}  # before meta below
+    values = {name: leaf for name, (_, leaf) in zip(names, leaves) if shadowable(leaf)}  # before meta below
     named = inputs_on_meta(model, named)
     real_buffers = real_buffers_of(model)
     try:
-        program, reads = _export(model, named, owner, values if specialize_values else {}, real_buffers)
+        program, shadow = _export(model, named, owner, values if specialize_values else {}, real_buffers)
     except TraceError as error:
         if specialize_values or not values:
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
-            program, reads = _export(model, named, owner, values, real_buffers)
+            program, shadow = _export(model, named, owner, values, real_buffers)
         except TraceError as again:
             why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
             raise TraceError(f"{error}\n(traced again for the values of {', '.join(values)}: {why})") \
                 from error.__cause__
         specialize_values = True
-    read_names = {name for read in reads for name in read.inputs}
+    read_names = {name for read in shadow.reads for name in read.inputs}
     specialized = {names.index(name): values[name].detach().cpu().clone() for name in read_names}
+    guards = Guards(shadow.tape, shadow.guards, {name: i for i, name in enumerate(names)}) if shadow.guards else None
 
     gs = program.graph_signature
     mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
@@ -386,7 +389,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds,
-                  specialized, reads, specialize_values)
+                  specialized, shadow.reads, specialize_values, guards)
 
 
 _FRAME = re.compile(r'\s*File "(.+)", line (\d+), in (\S+)')

@@ -1,4 +1,4 @@
-"""Value specialisation: trace a model whose Python code reads the values of its integer or boolean inputs.
+"""Value specialisation: trace a model whose Python code reads the values of its inputs.
 
 torch.export traces with fake tensors, which have shapes but no values. A model that turns an input's values into
 Python (``mask.sum(dim=1).tolist()`` to branch on ``len(set(lengths))``, Lumina2) or into a size
@@ -13,16 +13,18 @@ those tensors; only three things take the real values:
   it): its real result enters the graph as a constant;
 - a boolean index by such a mask into any other tensor (``text[mask]``, rows reordered valid-first): the mask's
   positions enter as constant indices, the same rows in the same order, at a size the graph knows.
-The graph is then exact for the values read and no others: ``Traced.values`` keeps the inputs they derive from,
-and every call of the partition compares its inputs against them (``CompiledPartition`` refuses a call that
-differs; the drop-in module traces again for it, as it does for new shapes). An input that is only computed with,
-never read, is not pinned.
+The graph is then exact for the values read and no others. What is read of integer and boolean inputs (masks,
+lengths, ids: structure, fixed over a pipeline's denoising steps) pins those inputs: ``Traced.values`` keeps them
+and every call of the partition compares its inputs against them. What is read of a float input (latents, a
+timestep, an image embedding: they change at every step) pins only what was read: it becomes a guard
+(``value_guards``), replayed from each call's inputs. ``CompiledPartition`` refuses a call that differs in either;
+the drop-in module traces again for it, as it does for new shapes. An input that is only computed with, never read,
+is not pinned. Factories (``zeros``, ``arange``, ``ones_like`` of a graph value) are followed as constants.
 
-Refused (a ``TraceError`` naming the model's line), because the shadow could not follow it: a tensor the trace
-reads (any view of its storage) written in place by an op the shadow does not compute (values from other inputs,
-a random fill). Random ops are never shadowed (their results would be frozen), nor uninitialised ones. Only integer and boolean inputs are specialised: they describe structure (masks,
-lengths, ids) and stay fixed over a pipeline's denoising steps, while a float input (latents, a timestep) changes
-at every step. Metadata queries (``shape``, ``dim()``, ``dtype``) are answered by the fake tensor.
+Refused (a ``TraceError`` naming the model's line), because the shadow could not follow it: a read of a tensor
+(any view of its storage) written in place by an op the shadow does not compute (values from model weights, a
+random fill). Random ops are never shadowed (their results would be frozen), nor uninitialised ones. Metadata
+queries (``shape``, ``dim()``, ``dtype``) are answered by the fake tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import contextlib
 import functools
 import traceback
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,6 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import InputError, TraceError
+from .value_guards import GuardTape, ValueGuard, ValueRead
 
 # Tensor methods answered from shape, dtype or device alone (properties too: ``__get__``), unless they return a
 # tensor (``x.T``, ``x.type(torch.float)``), which is then shadowed like any op's.
@@ -53,6 +55,14 @@ _UNSHADOWED = {"rand_like", "randn_like", "randint_like", "bernoulli", "multinom
                "binomial", "dropout", "feature_dropout", "alpha_dropout", "native_dropout", "rrelu", "uniform_",
                "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
                "dropout_", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
+# Ops whose values come from their arguments that are not tensors (a tensor argument lends its shape and dtype only):
+# followed even when made from graph values (``torch.zeros((batch, rows))``, ``ones_like(text[..., 0])``), as constants.
+_VALUE_FREE = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "tensor", "as_tensor",
+               "scalar_tensor", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full",
+               "new_tensor"}
+# Ops that answer Python with values (never a tensor): computed on the real values, a read.
+_PYTHON_VALUES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__contains__",
+                  "__format__", "__repr__", "__str__", "numpy", "__array__", "equal", "allclose", "is_nonzero"}
 _IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                        "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                        "__imatmul__"}
@@ -66,6 +76,23 @@ def _storage(tensor: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+def _value_free(name: str, args, tensors: list[torch.Tensor]) -> bool:
+    """Whether an op's values come from its arguments that are not tensors: a factory given no tensor, or a
+    ``*_like``/``new_*`` op whose one tensor is the one it takes its shape and dtype from."""
+    if name not in _VALUE_FREE:
+        return False
+    lends_shape = name.endswith("_like") or name.startswith("new_")
+    return not tensors or (lends_shape and len(tensors) == 1 and bool(args) and tensors[0] is args[0])
+
+
+def _on_host(arguments):
+    """An op's arguments with every device the host's: the shadow computes on the host whatever the trace's device."""
+    arguments = pytree.tree_map_only(torch.device, lambda _: torch.device("cpu"), arguments)
+    if isinstance(arguments, dict) and isinstance(arguments.get("device"), str):
+        arguments = {**arguments, "device": "cpu"}
+    return arguments
+
+
 def _written(name: str, args, kwargs):
     """The tensor an op writes in place (its ``self`` or ``out``), or None."""
     if kwargs.get("out") is not None:
@@ -75,21 +102,9 @@ def _written(name: str, args, kwargs):
     return None
 
 
-@dataclass(frozen=True)
-class ValueRead:
-    """One place where the traced code depended on an input's values."""
-    what: str  # the op, e.g. "Tensor.tolist"
-    inputs: tuple[str, ...]  # the forward arguments its value derives from
-    where: str  # the model's source line
-
-    def __str__(self) -> str:
-        return f"{self.what} of {', '.join(self.inputs)} at {self.where}"
-
-
-def specializable(value) -> bool:
-    """Whether a forward argument's values can be specialised: an integer or boolean tensor with values (not meta)."""
-    return (isinstance(value, torch.Tensor) and not value.is_meta and not value.is_floating_point()
-            and not value.is_complex())
+def shadowable(value) -> bool:
+    """Whether a forward argument's values can be followed beside the trace: a tensor with values (not meta)."""
+    return isinstance(value, torch.Tensor) and not value.is_meta
 
 
 def model_line(frames: list[traceback.FrameSummary], package: str) -> str | None:
@@ -123,77 +138,182 @@ def _constant(real: torch.Tensor, device: torch.device) -> torch.Tensor:
     return made if device.type == "cpu" else made.to(device)
 
 
+class _Pending:
+    """An op's real result, computed when a read first needs it: the shadow follows every op of the inputs, but most
+    values are never read (an attention mask over a whole 50k-row sequence is followed, never computed)."""
+
+    def __init__(self, compute, needs=()):
+        self._compute, self._leaves = compute, None
+        self.needs = [t for t in pytree.tree_leaves(needs) if isinstance(t, torch.Tensor)]  # the values it reads
+
+    def value(self) -> list:
+        if self._leaves is None:
+            self._leaves = pytree.tree_leaves(self._compute())
+            self._compute, self.needs = None, []  # (frees the traced tensors it held)
+        return self._leaves
+
+
 class ValueShadow(TorchFunctionMode):
     """Inside a trace: real values alongside the fake tensors computed only from the specialised inputs.
 
     Which inputs a value derives from is kept per storage, not per tensor: a write through one view reaches every
-    view of that storage, and so do the inputs it brings."""
+    view of that storage, and so do the inputs it brings. A storage written by an op the shadow cannot compute is
+    stale: a read of it is refused, naming that write (a value that is never read may be written any way)."""
 
     def __init__(self, package: str):
         super().__init__()
         self.real = WeakIdKeyDictionary()  # fake tensor -> its real value
         self.storage_roots: dict[StorageWeakRef, set[str]] = {}  # storage -> forward arguments its values derive from
-        self.reads: list[ValueRead] = []
+        self.stale: dict[StorageWeakRef, str] = {}  # storage -> why its real values are not the graph's
+        self.reads: list[ValueRead] = []  # reads of integer and boolean inputs: those inputs are pinned
+        self.guarded: set[str] = set()  # float inputs: a read of them is a guard, replayed per call
+        self.guards: list[ValueGuard] = []
+        self.tape = GuardTape()
+        self.pending = WeakIdKeyDictionary()  # fake tensor -> (its op's _Pending, which leaf of the result)
+        self.unevaluated: list[_Pending] = []
         self.package = package  # the model's top-level package, for source lines
 
     def shadow(self, fake: torch.Tensor, real: torch.Tensor, name: str) -> None:
         self.real[fake] = real
         self._add_roots(fake, {name})
+        self.tape.input(fake, name)
+        if real.is_floating_point() or real.is_complex():
+            self.guarded.add(name)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _op_name(func)
         short = name.rsplit(".", 1)[-1]
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        shadowed = [t for t in tensors if t in self.real]
+        shadowed = [t for t in tensors if self._known(t)]
         written = _written(short, args, kwargs)
         followed = bool(shadowed) and len(shadowed) == len(tensors) and short not in _UNSHADOWED
-        if written is not None and self._roots(written) and not (followed and written in self.real):
-            raise TraceError(f"{name} writes in place into a tensor computed from "
-                             f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads; the trace "
-                             f"cannot compute that write beside the graph ({self._where()})")
-        if not followed and short == "__getitem__" and written is None:
-            index, roots = self._masks_as_indices(args[1], tensors[0].device)
-            if roots:  # rows picked by a specialised mask (valid rows first): that many, at these positions
-                self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
-                return func(args[0], index)
+        if written is not None and self._roots(written) and not (followed and self._known(written)):
+            self._mark_stale(written, f"{name} writes in place into a tensor computed from "
+                                      f"{', '.join(sorted(self._roots(written)))}, whose values the trace reads; the "
+                                      f"trace cannot compute that write beside the graph ({self._where()})")
+        if short == "__getitem__" and written is None:
+            index, real_index = self._masks_as_indices(args[1], tensors[0].device)
+            if real_index is not None:  # rows picked by a specialised mask (valid rows first): that many, here
+                result = func(args[0], index)
+                if self._known(args[0]) and real_index is not False:  # the rows' values followed too (not read)
+                    data = args[0]
+                    later = _Pending(lambda: self._value(data)[real_index], data)
+                    roots = set().union(*(self._roots(t) for t in shadowed))
+                    self._follow(func, args, kwargs, result, later, roots, self._stale_of(shadowed), False)
+                return result
+        if not followed and written is None and _value_free(short, args, tensors):
+            result = func(*args, **kwargs)  # values from its arguments that are not tensors alone: a constant
+            later = _Pending(lambda: self._value_free(func, args, kwargs))
+            self._follow(func, args, kwargs, result, later, set(), None, False)
+            return result
         if not followed:  # not computed from the specialised inputs alone: the graph's value only
             return func(*args, **kwargs)
         roots = set().union(*(self._roots(t) for t in shadowed))
+        stale = self._stale_of(shadowed)
         if short in _METADATA:
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor):  # a view or a conversion: shadowed as any op
-                self._register(result, self._real(func, args, kwargs), roots)
+                self._follow(func, args, kwargs, result, _Pending(lambda: self._real(func, args, kwargs),
+                                                                  (args, kwargs)), roots, stale, False)
             return result
-        real = self._real(func, args, kwargs)
-        if written is None and not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(real)):
-            self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
-            return real  # Python reads a number, a list or a bool: the real one
-        if written is None and self._sized_by_values(func, args, kwargs, real):
-            self.reads.append(ValueRead(name, tuple(sorted(roots)), self._where()))
+        if short in _PYTHON_VALUES:  # Python reads a number, a list or a bool: the real one
+            real = self._real(func, args, kwargs)
+            self._read(name, roots, stale, self.tape.record(func, args, kwargs, real, False), real)
+            return real
+        if written is None and self._sized_by_values(func, args, kwargs):
+            real = self._real(func, args, kwargs)
+            self._read(name, roots, stale, self.tape.record(func, args, kwargs, real, False), real)
             made = pytree.tree_map_only(torch.Tensor, lambda value: _constant(value, tensors[0].device), real)
-            self._register(made, real, roots)
+            self._register(made, real, roots, None)
             return made
-        result = func(*args, **kwargs)  # the graph computes it; the shadow follows (an in-place write too)
-        self._register(result, real, roots)
+        if written is not None:  # written now, on the real values: what was computed before it reads them first
+            self._evaluate_pending()
+            real = self._real(func, args, kwargs)
+            result = func(*args, **kwargs)
+            self._follow(func, args, kwargs, result, real, roots, stale, True)
+            return result
+        result = func(*args, **kwargs)  # the graph computes it; the shadow follows, computing it when read
+        if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(result)):
+            real = self._real(func, args, kwargs)  # (an op that answers Python that _PYTHON_VALUES lacks)
+            self._read(name, roots, stale, self.tape.record(func, args, kwargs, real, False), real)
+            return real
+        self._follow(func, args, kwargs, result, _Pending(lambda: self._real(func, args, kwargs), (args, kwargs)),
+                     roots, stale, False)
         return result
 
-    def _masks_as_indices(self, index, device: torch.device) -> tuple[object, set[str]]:
+    def _follow(self, func, args, kwargs, result, real, roots: set[str], stale: str | None, writes: bool) -> None:
+        """Keep ``real`` (or how to compute it) beside the graph's ``result``; write the op on the guards' tape."""
+        self.tape.record(func, args, kwargs, result, writes)
+        self._register(result, real, roots, stale)
+
+    def _known(self, tensor: torch.Tensor) -> bool:
+        """Whether the shadow follows ``tensor``: its real value is known or can be computed."""
+        return tensor in self.real or tensor in self.pending
+
+    def _value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s real value, computed now if it was not yet, with what it needs first (in a loop: a chain
+        of pending ops may be longer than Python's recursion limit)."""
+        stack = [tensor]
+        while stack:
+            last = stack[-1]
+            if last in self.real:
+                stack.pop()
+                continue
+            pending, leaf = self.pending[last]
+            missing = [t for t in pending.needs if t not in self.real]
+            if missing:
+                stack.extend(missing)
+                continue
+            self.real[last] = pending.value()[leaf]
+            stack.pop()
+        return self.real[tensor]
+
+    def _evaluate_pending(self) -> None:
+        for pending in self.unevaluated:
+            pending.value()
+        self.unevaluated.clear()
+
+    def _read(self, what: str, roots: set[str], stale: str | None, step: int, real) -> None:
+        """Python took ``real`` from values derived from ``roots`` (the tape's ``step``): a float input makes it a
+        guard, integer and boolean ones are pinned; one that derives from constants alone depends on nothing."""
+        if stale is not None:
+            raise TraceError(stale)
+        read = ValueRead(what, tuple(sorted(roots)), self._where())
+        if roots & self.guarded:
+            self.guards.append(ValueGuard(read, step, real))
+        elif roots:
+            self.reads.append(read)
+
+    def _masks_as_indices(self, index, device: torch.device) -> tuple[object, object]:
         """``index`` (of ``tensor[index]``) with every boolean mask computed from the specialised inputs replaced by
         the positions it selects (``mask.nonzero(as_tuple=True)``, constants): the same rows, in the same order,
         but as many as this call's mask selects, a size the graph knows (a reordering of text rows by their mask
-        before an attention). The inputs those masks derive from, if any."""
+        before an attention); each is a read of its mask. Also the index for the real values (False if another of
+        its tensors has none), or None when it has no such mask."""
         parts = index if isinstance(index, tuple) else (index,)
-        replaced, roots = [], set()
+        replaced, real, found = [], [], False
         for part in parts:
-            if isinstance(part, torch.Tensor) and part.dtype == torch.bool and part in self.real:
-                roots |= self._roots(part)
+            if isinstance(part, torch.Tensor) and part.dtype == torch.bool and self._known(part):
+                mask = self._value(part)
                 with _disable_current_modes(), torch._C.DisableTorchFunction():
-                    positions = self.real[part].nonzero(as_tuple=True)
+                    positions = mask.nonzero(as_tuple=True)
+                step = self.tape.record(torch.Tensor.nonzero, (part,), {"as_tuple": True}, positions, False)
+                self._read("boolean index", self._roots(part), self._stale_of([part]), step, positions)
                 replaced.extend(_constant(p, device) for p in positions)
+                real.extend(positions)
+                found = True
             else:
                 replaced.append(part)
-        return (tuple(replaced), roots) if roots else (index, set())
+                real.append((self._value(part) if self._known(part) else False) if isinstance(part, torch.Tensor)
+                            else part)
+        if not found:
+            return index, None
+        return tuple(replaced), (False if any(r is False for r in real) else tuple(real))
+
+    def _stale_of(self, tensors: list[torch.Tensor]) -> str | None:
+        """Why the real values of one of ``tensors`` are not the graph's, or None."""
+        return next((self.stale[s] for s in map(_storage, tensors) if s in self.stale), None)
 
     def _roots(self, tensor: torch.Tensor) -> set[str]:
         reference = _storage(tensor)
@@ -201,6 +321,7 @@ class ValueShadow(TorchFunctionMode):
             return set()
         if reference.expired():  # (a freed storage whose address a new one took)
             del self.storage_roots[reference]
+            self.stale.pop(reference, None)
             return set()
         return self.storage_roots[reference]
 
@@ -209,30 +330,59 @@ class ValueShadow(TorchFunctionMode):
         if reference is not None:
             self.storage_roots[reference] = self._roots(tensor) | roots
 
+    def _mark_stale(self, tensor: torch.Tensor, why: str) -> None:
+        reference = _storage(tensor)
+        if reference is not None:
+            self.stale.setdefault(reference, why)
+
     def _real(self, func, args, kwargs):
+        """The op on the real values, on the host (a device argument, the traced one, is the host's there)."""
+        real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self._value, (args, kwargs))
         with _disable_current_modes(), torch._C.DisableTorchFunction():
-            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t], (args, kwargs))
-            return func(*real_args, **real_kwargs)
+            return func(*_on_host(real_args), **_on_host(real_kwargs))
 
-    def _register(self, fake, real, roots: set[str]) -> None:
-        for f, r in zip(pytree.tree_leaves(fake), pytree.tree_leaves(real)):
-            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor):
+    @staticmethod
+    def _value_free(func, args, kwargs):
+        """A value-free op's real result: its tensor arguments lend shape and dtype only; made on the host."""
+        blank = lambda t: torch.zeros(t.shape, dtype=t.dtype)  # noqa: E731
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            args, kwargs = pytree.tree_map_only(torch.Tensor, blank, (args, kwargs))
+            return func(*_on_host(args), **_on_host(kwargs))
+
+    def _register(self, fake, real, roots: set[str], stale: str | None) -> None:
+        """``real``: the values, or a ``_Pending`` that computes them."""
+        if isinstance(real, _Pending):
+            self.unevaluated.append(real)
+            leaves = [(f, i) for i, f in enumerate(pytree.tree_leaves(fake))]
+        else:
+            leaves = list(zip(pytree.tree_leaves(fake), pytree.tree_leaves(real)))
+        for f, r in leaves:
+            if not isinstance(f, torch.Tensor):
+                continue
+            if isinstance(real, _Pending):
+                if any(f is t for t in real.needs):  # an op that returns its input (``x.to(x.dtype)``): no change
+                    continue
+                self.pending[f] = (real, r)
+            elif isinstance(r, torch.Tensor):
                 self.real[f] = r
-                self._add_roots(f, roots)
+            else:
+                continue
+            self._add_roots(f, roots)
+            if stale is not None:
+                self._mark_stale(f, stale)
 
-    def _sized_by_values(self, func, args, kwargs, real) -> bool:
+    @staticmethod
+    def _sized_by_values(func, args, kwargs) -> bool:
         """Whether the op's output shape depends on its inputs' values: its meta kernel cannot compute it (as for
-        nonzero, unique, masked_select, a boolean index) or computes another one."""
+        nonzero, unique, masked_select, a boolean index)."""
+        meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
         with _disable_current_modes(), torch._C.DisableTorchFunction():
-            meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t].to("meta"),
-                                                          (args, kwargs))
             try:
-                meta = func(*meta_args, **meta_kwargs)
+                meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
+                func(*meta_args, **meta_kwargs)
             except Exception:  # (meta kernels refuse data-dependent sizes)
                 return True
-        shapes = lambda value: [tuple(t.shape) for t in pytree.tree_leaves(value)  # noqa: E731
-                                if isinstance(t, torch.Tensor)]
-        return shapes(meta) != shapes(real)
+        return False
 
     def _where(self) -> str:
         return model_line(traceback.extract_stack()[:-2], self.package) or "no source line recorded"
@@ -243,7 +393,7 @@ def shadowing_forward(model: torch.nn.Module, shadow: ValueShadow, real: dict[st
     ``name_of(pytree path)``, e.g. ``encoder_attention_mask``) before running under it. The shadow computes on
     copies: its in-place ops must not write the caller's tensors."""
     original = model.forward
-    copies = {name: value.detach().clone() for name, value in real.items()}
+    copies = {name: value.detach().cpu().clone() for name, value in real.items()}  # (on the host)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):

@@ -256,9 +256,9 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                                                         packs=ctx.mesh.per_rank and joint_parts, units=units)
         for seed, factor in grow.items():  # units only grow, up to a rank's share: the loop ends
             units[seed] = units.get(seed, 1) * factor
-            rows = shape_of(seed)[seeds[seed]]
-            if units[seed] * ctx.mesh.size(axis) > rows or rows % units[seed]:
-                failed.setdefault(seed, f"its {rows} rows are not whole groups of {units.pop(seed)} rows for each "
+            length = shape_of(seed)[seeds[seed]]  # (not ``rows``: that names the sequence dims above)
+            if units[seed] * ctx.mesh.size(axis) > length or length % units[seed]:
+                failed.setdefault(seed, f"its {length} rows are not whole groups of {units.pop(seed)} rows for each "
                                         f"of {ctx.mesh.size(axis)} ranks (the strides of the convolutions they "
                                         "go through)")
         if grow and not failed:

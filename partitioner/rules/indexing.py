@@ -49,6 +49,25 @@ def index_tensor(node: Node, placements, axis_size: int) -> Decision:
     return Decision(placement, {source: placement, index: R})
 
 
+@register(aten.embedding.default)
+def embedding(node: Node, placements, axis_size: int) -> Decision:
+    """embedding(table, indices): one row of the table per index, ``out[..., :] = table[indices[...], :]``. Indices
+    split any way (rows of a sequence: a condition-type id per text row) pick their rows of a whole table; a table
+    split along its features gives those features of every row. A table split by rows would need every index's row
+    on every rank: left whole."""
+    table, indices = node.args[:2]
+    split_table, split_indices = (placements.get(n, R) for n in (table, indices))
+    if is_sharded(split_table) and is_sharded(split_indices):
+        raise Unshardable("embedding with both the table and the indices sharded")
+    if is_sharded(split_indices):
+        return Decision(split_indices, {table: R, indices: split_indices})
+    if is_sharded(split_table):
+        if not isinstance(split_table, Shard) or split_table.dim != 1:
+            raise Unshardable("embedding from a table split by rows (each index may need any row)")
+        return Decision(Shard(len(shape_of(node)) - 1), {table: split_table, indices: R})
+    return Decision(R, {table: R, indices: R})
+
+
 @register(aten.gather.default)
 def gather(node: Node, placements, axis_size: int) -> Decision:
     """gather(input, dim, index): ``out[..., i, ...] = input[..., index[..., i, ...], ...]`` along ``dim``, and

@@ -61,6 +61,7 @@ class PartitionedModule(torch.nn.Module):
         signature = self._first.traced.signature
         names = input_names(self._first.traced.in_spec)
         self._valued = {names[i] for i in self._first.traced.values}  # inputs whose values pick the program
+        self._guards = [self._first.traced.guards] if self._first.traced.guards is not None else []  # so do these
 
         self.first_step: str | None = None
 
@@ -136,6 +137,8 @@ class PartitionedModule(torch.nn.Module):
             buckets = self._partitioned.ctx.buckets
             key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
             key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
+            flat = pytree.tree_leaves(((), named))
+            key += tuple(guards.failed(flat) is None for guards in self._guards)
             compiled = self._cache.get(key)
             if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
                 bucketed = pad_named(named, buckets, owner)
@@ -175,6 +178,8 @@ class PartitionedModule(torch.nn.Module):
                              f"from the traced one and the model cannot be traced for it: {why}") from error
         names = input_names(specialized.traced.in_spec)  # (a trace for other shapes may read values the first did not)
         self._valued |= {names[i] for i in specialized.traced.values}
+        if specialized.traced.guards is not None:
+            self._guards.append(specialized.traced.guards)
         lowered, tensors = specialized.lower(self._backend, **self._options)
         padded = [f"{name} dim {dim} to {sizes}" for (name, dim), sizes in self._partitioned.ctx.buckets.items()]
         self.specializations[shapes] = ("shapes or values other than the traced ones: the plan applied to a new trace"
@@ -213,6 +218,9 @@ class PartitionedModule(torch.nn.Module):
                     found.append(f"other values of {where}")
                 elif not isinstance(leaf, torch.Tensor) and (type(leaf) is not type(old) or leaf != old):
                     found.append(f"{where}={leaf!r} (traced: {old!r})")
+        failed = first.traced.guards.failed(pytree.tree_leaves(((), named))) if first.traced.guards else None
+        if failed is not None:
+            found.append(f"{failed.read.what} of {', '.join(failed.read.inputs)} at {failed.read.where} otherwise")
         return found
 
     def _evict(self) -> None:

@@ -104,6 +104,11 @@ class CompiledPartition:
                 raise InputError(f"{self.owner}: {names[index]} has other values than the ones this partition was "
                                  f"traced for, and the model reads them ({self.traced.value_reads[0]}); the module "
                                  "compile() returns traces again for new values, or partition again with these")
+        failed = self.traced.guards.failed(flat) if self.traced.guards is not None else None
+        if failed is not None:  # the model's code would have taken another branch (or another size) for this call
+            raise InputError(f"{self.owner}: for this call's {', '.join(failed.read.inputs)}, {failed.describe()} "
+                             "comes out otherwise than when this partition was traced; the module compile() returns "
+                             "traces again for it, or partition again with these inputs")
         return flat, [flat[i] for i in self.user_index], return_dict, real_sizes
 
     def accepts(self, args, kwargs) -> bool:

@@ -21,10 +21,10 @@ import torch
 from ..errors import InputError
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3
 from .zoo_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
-                         cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs, hidream_inputs,
-                         hunyuan_video_inputs, kandinsky5_inputs, ltx_video_inputs, lumina2_inputs, minimax_h3_inputs,
-                         mochi_inputs, pixart_inputs, qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs,
-                         wan_vace_inputs)
+                         cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs,
+                         hidream_inputs, hunyuan_video_inputs, hunyuan_video15_inputs, kandinsky5_inputs,
+                         ltx_video_inputs, lumina2_inputs, minimax_h3_inputs, mochi_inputs, pixart_inputs,
+                         qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs, wan_vace_inputs)
 
 __all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs"]
 
@@ -251,6 +251,16 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         make_inputs=easyanimate_inputs,
         notes=("eager ok; export ok. MMDiT video blocks (text and video rows in one joint attention). full: the "
                "class defaults with 16 latent channels (EasyAnimate V5.1 12B, from memory).")),
+    ZooModel(
+        "hunyuan_video15", "HunyuanVideo15Transformer3DModel",
+        tiny=dict(in_channels=9, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+                  num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16,
+                  rope_axes_dim=_ROPE16),
+        full=dict(),  # HunyuanVideo 1.5 (8.3B): the class defaults
+        make_inputs=hunyuan_video15_inputs,
+        notes=("eager ok; export refuses a Python branch on whether image_embeds (float) is all zeros: traced for "
+               "the example's branch, a guard (value_guards); text rows of three encoders reordered by their masks "
+               "(valid first) before a joint attention: traced for the masks. full: the class defaults.")),
 ]}
 
 
@@ -270,6 +280,9 @@ PIPELINE_SIZES: dict[str, dict[str, dict]] = {
     "hidream": {"1024x1024": dict(text=128, height=128, width=128)},
     "hunyuan_video": {"480p 129f": dict(text=256, pad=231, frames=33, height=60, width=106),
                       "720p 129f": dict(text=256, pad=231, frames=33, height=90, width=160)},
+    # Qwen rows to 1000 (+ a template), ByT5 256, 729 SigLIP rows; the VAE compresses 16x in space and 4x in time
+    "hunyuan_video15": {"480p 121f": dict(text=1000, pad=977, text_2=256, pad_2=249, image_rows=729, frames=31,
+                                          height=30, width=53)},
     "wan": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104),
             "720p 81f": dict(text=512, pad=487, frames=21, height=90, width=160)},
     "ltx_video": {"704x480 161f": dict(text=128, pad=109, frames=21, height=15, width=22),

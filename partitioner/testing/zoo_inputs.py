@@ -315,3 +315,19 @@ def easyanimate_inputs(config: dict, seed: int = 0, *, text: int = 8, frames: in
     g = torch.Generator().manual_seed(seed)
     return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
                     encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]))
+
+
+def hunyuan_video15_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, frames: int = 2,
+                           height: int = 4, width: int = 8, text_2: int = 6, pad_2: int = 2, image_rows: int = 5,
+                           image: bool = False):
+    """HunyuanVideo15Pipeline: latents, condition latents and their mask concatenated on channels, Qwen rows and
+    ByT5 rows (glyph text) with int64 masks, t in [0, 1000) as a float; text-to-video passes
+    ``image_embeds`` all zeros (the model tests for it in Python), image-to-video the vision encoder's rows."""
+    g = torch.Generator().manual_seed(seed)
+    vision = (1, image_rows, config["image_embed_dim"])
+    return (), dict(hidden_states=_randn(g, 1, config["in_channels"], frames, height, width), timestep=_timestep(g),
+                    encoder_hidden_states=_randn(g, 1, text, config["text_embed_dim"]),
+                    encoder_attention_mask=_text_mask(text, pad, torch.int64),
+                    encoder_hidden_states_2=_randn(g, 1, text_2, config["text_embed_2_dim"]),
+                    encoder_attention_mask_2=_text_mask(text_2, pad_2, torch.int64),
+                    image_embeds=_randn(g, *vision) if image else torch.zeros(vision))
