@@ -31,8 +31,9 @@ class PartitionError(PartitionerError, ValueError):
 
 
 class DataDependentNumber(PartitionError):
-    """A number computed from tensor values sizes device ops, so the host prologue cannot take it: ``partition``
-    traces the model again specialised on its integer and boolean inputs' values, when it has any."""
+    """A number computed from tensor values sizes device ops (or data-dependent code reads a model tensor), so the
+    host prologue cannot take it: ``partition`` traces the model again specialised on its inputs' values, when it
+    has any."""
 
 
 class InputError(PartitionerError, ValueError):

@@ -143,3 +143,25 @@ def test_attention_block_fallback_matches_fused(dtype, monkeypatch):
     for a, b in zip(fused, chunked):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, **TOLERANCE)
+
+
+def test_a_joint_sequence_whose_text_is_not_whole_frames_keeps_its_ring_attentions_sharded():
+    """The video rows are regrouped into frames after the last attention (unpatchify): a ring axis asks every rank
+    for whole frames there (3 frames of 8 rows: 1.5 a rank). The joint sequence (video + 18 text rows) is not whole frames: its seeds must not be
+    dropped for it (every attention ran whole before), the rows are gathered after the attentions instead.
+    (HunyuanVideo 1.5 at 480p over ring=2: 1 of 56 attentions sharded before, 56 now.)"""
+    from partitioner.frontend.trace import trace
+    from partitioner.mesh import as_mesh_spec
+    from partitioner.partitioned import decide
+    from partitioner.passes.plan_sequence import attention_counts
+    from partitioner.testing.zoo import build, inputs
+
+    from partitioner.testing.zoo import partition_case
+
+    sizes = dict(text=7, frames=3, height=2, width=4)
+    traced = trace(build("hunyuan_video15"), inputs("hunyuan_video15", **sizes))
+    ctx = decide(traced, as_mesh_spec({"ring": 2}, programs="rank"), "HunyuanVideo15")[0]
+    assert attention_counts(ctx) == (3, 3), ctx.sequence_attention
+    for rank, result in enumerate(run_ranks(2, partition_case, "hunyuan_video15", (2,), ("ring",), sizes)):
+        assert result["status"] == "exact" and result["attention_sharded"] == 3, (rank, result)
+        assert result["collectives"].get("ring_pass:ring"), result  # (exact because it ran as ring attention)

@@ -137,8 +137,9 @@ def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple
         if not any(u in host for u in node.users):
             continue
         if graph_input.kind != "user":
-            raise PartitionError(f"{node.name} ({graph_input.target}) is a model tensor read by data-dependent host "
-                                 "code; only forward arguments can feed the host prologue")
+            # (rows picked by a mask from projected text: the host cannot take it, the values the mask has can)
+            raise DataDependentNumber(f"{node.name} ({graph_input.target}) is a model tensor read by data-dependent "
+                                      "host code; only forward arguments can feed the host prologue")
         env[node] = prologue.placeholder(node.name)
         inputs.append(graph_input.target)
     ordered = [n for n in gm.graph.nodes if n in host]

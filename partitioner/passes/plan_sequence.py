@@ -142,12 +142,15 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     for failure in swept.failures:
         problem = failure.problem
         if isinstance(problem, NeedsUnit) and failure.seeds:
-            # a strided convolution: the seeds whose sharding reaches it split their rows in coarser groups
+            # a strided convolution (or a view regrouping rows): the seeds whose sharding reaches it split their
+            # rows in coarser groups, if every one of them is whole groups for each rank; otherwise it is met as any
+            # refusal (a joint sequence's text rows are not whole frames: gathered after its attentions)
             have = unit_of(swept.visible.get(problem.node, R))
             targets = introduced & (ancestors([problem.node]) | {problem.node})
-            for seed in targets:
-                grow[seed] = max(grow.get(seed, 1), math.lcm(have, problem.unit) // have)
-            if targets:
+            factors = {seed: max(grow.get(seed, 1), math.lcm(have, problem.unit) // have) for seed in targets}
+            if targets and all(_whole_groups(seed, seeds[seed], units.get(seed, 1) * factor, ctx.mesh.size(axis))
+                               for seed, factor in factors.items()):
+                grow.update(factors)
                 continue
         if isinstance(problem, NeedsPacking):  # sequence shards are never packed
             problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
@@ -175,6 +178,12 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
     if failed:  # seeds dropped first; what their dropping leaves to gather is found again
         to_gather = set()
     return swept.decisions, failed, to_gather, grow
+
+
+def _whole_groups(seed: Node, dim: int, unit: int, ranks: int) -> bool:
+    """Whether ``seed``'s rows along ``dim`` are whole groups of ``unit`` rows, at least one group for each rank."""
+    length = shape_of(seed)[dim]
+    return unit * ranks <= length and length % unit == 0
 
 
 def _done_with(node: Node, seed: Node, own: set[Node], swept) -> set[Node]:
