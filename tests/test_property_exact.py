@@ -6,8 +6,8 @@ text+image attention, q/k norms per head or across heads, a rotary embedding wri
 AdaLN modulation from one timestep or one per row (a timestep per frame), GELU or a fused SwiGLU, grouped key/value
 heads, a control input adding hints into the block, text given as a list of tensors and outputs as lists, Python
 branches on a float input (a guard) or an integer one (traced for its values), text rows reordered by their mask
-before the joint attention, a causal mask over the joint rows, and a second modality (audio rows) the image rows
-attend to. Four gloo ranks stay alive across examples (``RankPool``).
+before the joint attention, a causal or block-causal (by frame) mask over the joint rows, and a second modality
+(audio rows) the image rows attend to. Four gloo ranks stay alive across examples (``RankPool``).
 Tolerance: float32 with sums reordered by sharding, 1e-5 relative to the output's magnitude (test_tp_numerics).
 """
 
@@ -29,7 +29,7 @@ MESHES = {"tp4": ((4,), ("tp",)), "ulysses4": ((4,), ("ulysses",)), "tp2xulysses
 
 class TinyDiT(nn.Module):
     def __init__(self, heads, head_dim, qk_norm, rope, mlp, text, kv_heads=None, control=False, branch="none",
-                 reorder=False, causal=False, cross=False, listed_out=False):
+                 reorder=False, causal="none", cross=False, listed_out=False):
         super().__init__()
         dim = heads * head_dim
         self.heads, self.qk_norm, self.rope, self.mlp, self.text = heads, qk_norm, rope, mlp, text
@@ -76,7 +76,14 @@ class TinyDiT(nn.Module):
             rows = self.text
             q[:, :, rows:] = q[:, :, rows:] * angle.cos() + q[:, :, rows:].flip(-1) * angle.sin()
             k[:, :, rows:] = k[:, :, rows:] * angle.cos() - k[:, :, rows:].flip(-1) * angle.sin()
-        out = self.o(F.scaled_dot_product_attention(q, k, v, is_causal=self.causal).transpose(1, 2).flatten(2))
+        masked = {}
+        if self.causal == "causal":
+            masked = dict(is_causal=True)
+        elif self.causal == "block":  # causal by frame (two image rows a frame), the text rows frame 0
+            image = torch.arange(h.shape[1] - self.text) // 2 + 1
+            frames = torch.cat([torch.zeros(self.text, dtype=torch.long), image])
+            masked = dict(attn_mask=frames[:, None] >= frames[None, :])
+        out = self.o(F.scaled_dot_product_attention(q, k, v, **masked).transpose(1, 2).flatten(2))
         x = x + out[:, self.text:]
         if audio is not None:  # a second modality: the image rows attend to the audio rows
             heads = lambda t: t.unflatten(-1, (self.heads, -1)).transpose(1, 2)  # noqa: E731
@@ -99,7 +106,7 @@ def build(config: dict):
     kv_heads = heads // 2 if config.get("grouped") and heads % 2 == 0 else heads
     model = TinyDiT(heads, config["head_dim"], config["qk_norm"], config["rope"], config["mlp"], text,
                     kv_heads=kv_heads, control=config.get("control", False), branch=config.get("branch", "none"),
-                    reorder=config.get("reorder", False) and text > 0, causal=config.get("causal", False),
+                    reorder=config.get("reorder", False) and text > 0, causal=config.get("causal", "none"),
                     cross=config.get("cross", False), listed_out=config.get("listed", False)).eval()
     g = torch.Generator().manual_seed(config["seed"])
     dim = heads * config["head_dim"]
@@ -152,7 +159,7 @@ configs = st.fixed_dictionaries(dict(
     qk_norm=st.sampled_from(["none", "head", "full"]), rope=st.booleans(), mlp=st.sampled_from(["gelu", "swiglu"]),
     mesh=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 3), grouped=st.booleans(), control=st.booleans(),
     branch=st.sampled_from(["none", "int", "float"]), reorder=st.booleans(), per_frame=st.booleans(),
-    listed=st.booleans(), causal=st.booleans(), cross=st.booleans()))
+    listed=st.booleans(), causal=st.sampled_from(["none", "causal", "block"]), cross=st.booleans()))
 
 
 def _check(outcomes: list, config: dict) -> None:
