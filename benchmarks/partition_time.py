@@ -10,8 +10,11 @@ trace (the first export pays for imports and dispatcher caches):
   partition, per layout   rank 0 of the layout on PyTorch's fake process group (rank programs, as a DeviceMesh job
                           plans them), with its parts: every pass, and what runs outside the passes (building the
                           context, copying the planned graph, the rank's shards, the plan the ranks compare).
-``--search N`` also times the planner's search over every (tp, ring, ulysses) layout of N devices from one trace
-(``python -m partitioner report --search``), against one partition. This machine's noise is several percent
+``--search N`` also times the planner's search over every (tp, ring, ulysses) layout of N devices
+(``python -m partitioner report --search``: layouts costed from cuts of the repeated blocks, pruned by a compute
+bound, over this machine's cores), from one trace and with its trace, against one partition, and checks the best
+layout's extrapolated cost against a whole partition of it. ``--exhaustive`` times the search that partitions every
+layout whole, one after another, too (minutes). This machine's noise is several percent
 between runs (more while anything else runs): compare ratios taken in one run, never absolute times across runs.
 """
 
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", default=["tp=8", "tp=8,ulysses=4"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--search", type=int, default=0, metavar="DEVICES")
+    parser.add_argument("--exhaustive", action="store_true", help="also time the exhaustive search")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
 
@@ -85,12 +89,26 @@ def main() -> None:
             print(f"  {name:<24}{seconds:7.2f} s")
         print(f"  {'outside the passes':<24}{outside:7.2f} s")
     if args.search:
+        import os
+
         start = time.perf_counter()
         found = planner.search(traced, "minimax-h3", args.search)
         searched = time.perf_counter() - start
-        print(f"\nsearch over {len(found)} layouts of {args.search} devices (from one trace): {searched:.1f} s = "
-              f"{searched / one_partition:.1f}x one partition ({args.layouts[0]}; target 3x)")
-
+        best = found[0]
+        pruned = sum(e.pruned is not None for e in found)
+        print(f"\nsearch over {len(found)} layouts of {args.search} devices ({pruned} pruned, the rest costed from "
+              f"cuts of {best.extrapolated_from} blocks, {len(os.sched_getaffinity(0))} cores): {searched:.1f} s "
+              f"from one trace = {searched / one_partition:.2f}x one partition ({args.layouts[0]}); with its trace "
+              f"{searched + trace_s:.1f} s = {(searched + trace_s) / one_partition:.2f}x (target 3x)")
+        whole = planner.estimate(traced, "minimax-h3", best.tp, best.ulysses, args.search, ring=best.ring)
+        print(f"  best {best.layout}: step {best.step_s * 1e3:.3f} ms from the cuts, {whole.step_s * 1e3:.3f} ms "
+              f"partitioned whole; memory {best.memory_bytes / 2**30:.3f} / {whole.memory_bytes / 2**30:.3f} GiB")
+        if args.exhaustive:
+            start = time.perf_counter()
+            every = planner.search(traced, "minimax-h3", args.search, exhaustive=True, workers=1)
+            exhaustive = time.perf_counter() - start
+            print(f"  exhaustive search, one core: {exhaustive:.1f} s = {exhaustive / one_partition:.1f}x one "
+                  f"partition; its best {every[0].layout} ({every[0].step_s * 1e3:.3f} ms)")
 
 if __name__ == "__main__":
     main()

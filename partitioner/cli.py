@@ -48,8 +48,9 @@ def _table(estimates: list[planner.LayoutEstimate]) -> str:
              f"{'fits':>5} {'comm/step':>11} {'compute ms':>10} {'comm ms':>8} {'exposed':>8} {'step ms':>8} "
              f"{'req/s':>6}"]
     for e in estimates:
-        if e.error:
-            lines.append(f"{e.tp:>3} {e.ring:>4} {e.ulysses:>7} {e.replicas:>8}  impossible: {e.error}")
+        if e.error or e.pruned:
+            why = f"impossible: {e.error}" if e.error else f"pruned: {e.pruned}"
+            lines.append(f"{e.tp:>3} {e.ring:>4} {e.ulysses:>7} {e.replicas:>8}  {why}")
             continue
         fits = {None: "-", True: "yes", False: "no"}[e.fits]
         lines.append(f"{e.tp:>3} {e.ring:>4} {e.ulysses:>7} {e.replicas:>8} {_gib(sum(e.parameter_bytes.values())):>11} "
@@ -57,6 +58,10 @@ def _table(estimates: list[planner.LayoutEstimate]) -> str:
                      f"{_gib(sum(e.collective_bytes.values())):>11} {e.compute_s * 1e3:>10.1f} "
                      f"{e.comm_s * 1e3:>8.1f} {e.exposed_comm_s * 1e3:>8.1f} {e.step_s * 1e3:>8.1f} "
                      f"{e.requests_per_s:>6.2f}")
+    blocks = {e.extrapolated_from for e in estimates if e.extrapolated_from}
+    if blocks:
+        lines.append(f"(costed from the trace cut to 2 and 3 of its {max(blocks)} repeated blocks, exact for identical "
+                     "blocks; --exhaustive partitions every layout whole)")
     return "\n".join(lines)
 
 
@@ -88,7 +93,8 @@ def report(args) -> int:
     traced = trace(model, planner.example_inputs(model, args.seq_len, dtype))
     name = type(model).__name__
     if args.search:
-        estimates = planner.search(traced, name, args.devices, profile, memory, ring=not args.no_ring)
+        estimates = planner.search(traced, name, args.devices, profile, memory, ring=not args.no_ring,
+                                   exhaustive=args.exhaustive)
     else:
         estimates = [planner.estimate(traced, name, mesh.get("tp", 1), mesh.get("ulysses", 1), profile=profile,
                                       device_memory=memory, ring=mesh.get("ring", 1))]
@@ -139,6 +145,9 @@ def main(argv=None) -> int:
     rep.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: the profile's)")
     rep.add_argument("--search", action="store_true", help="rank every (tp, ring, ulysses) layout on --devices")
     rep.add_argument("--no-ring", action="store_true", help="search only ring=1 layouts (tp x ulysses)")
+    rep.add_argument("--exhaustive", action="store_true",
+                     help="--search partitions every layout whole (default: costed from cuts of the repeated blocks, "
+                          "layouts whose compute alone is slower than the best found pruned)")
     rep.add_argument("--devices", type=int, default=8)
     rep.add_argument("--profile", default=planner.DEFAULT_PROFILE,
                      help="device profile: trn2, h100-nvlink, h200-nvlink, cpu-gloo, or a JSON file from calibrate")

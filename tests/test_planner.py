@@ -83,11 +83,109 @@ def test_search_ranks_layouts(tiny_config):
                                 "--json").stdout)
     assert {(r["tp"], r["ring"], r["ulysses"]) for r in result} == set(layouts(8))
     assert len(result) == 20 and (2, 2, 2) in set(layouts(8)) and len(layouts(8, ring=False)) == 10
-    possible = [r for r in result if r["error"] is None]
+    possible = [r for r in result if r["error"] is None and r["pruned"] is None]
     assert [r["step_s"] for r in possible] == sorted(r["step_s"] for r in possible)
     impossible = {(r["tp"], r["ring"], r["ulysses"]): r["error"] for r in result if r["error"]}
     assert "4 attention heads cannot be spread over a tp degree of 8" in impossible[(8, 1, 1)]
     assert all(r["replicas"] * r["tp"] * r["ring"] * r["ulysses"] == 8 for r in result)
+
+
+def _meta_h3(layers: int):
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from partitioner.frontend.trace import trace
+    from partitioner.planning import planner
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel.from_config({**TINY_H3, "num_layers": layers})
+    model = planner.apply_dtype(model.eval(), torch.bfloat16)
+    return trace(model, planner.example_inputs(model, 64))
+
+
+def test_search_costs_cuts_of_the_repeated_blocks_as_whole_partitions(monkeypatch):
+    """The search costs a layout from the trace cut to 2 and 3 of its 5 blocks: every figure equals the whole
+    partition's (sizes exactly, times to rounding), at every layout of 8 devices, on a device where compute
+    outweighs communication and on one where communication backs up; it never partitions the whole trace; pruned
+    layouts are bounded below by what they cost, and the best layout is the exhaustive search's."""
+    from partitioner.planning import cost, planner
+    from partitioner.planning.extrapolate import cut_chain, extrapolated
+
+    traced = _meta_h3(5)
+    # a slow device: compute outweighs communication, as at production sizes, so that few ranks can be pruned
+    slow = cost.with_overrides(cost.load_profile("trn2"), matmul_tflops=1e-3, memory_gbps=1.0)
+    cuts = cut_chain(traced, 2), cut_chain(traced, 3)
+    assert [len(cut.inputs) for cut in cuts] < [len(traced.inputs)] * 2
+    whole = {}
+    for profile, ring_too in ((cost.load_profile("trn2"), False), (slow, True)):
+        for tp, ring, ulysses in layouts(8, ring=ring_too):
+            full = planner.estimate(traced, "h3", tp, ulysses, 8, profile, ring=ring)
+            whole[tp, ring, ulysses] = full
+            cut = extrapolated(*(planner.estimate(c, "h3", tp, ulysses, 8, profile, ring=ring) for c in cuts), 5)
+            assert (cut.error is None) == (full.error is None), (tp, ring, ulysses, cut.error, full.error)
+            if full.error:
+                continue
+            a, b = full.as_dict(), cut.as_dict()
+            for key in ("parameter_bytes", "parameter_count", "parameter_ranks", "ranks", "activation_bytes",
+                        "collective_bytes", "memory_bytes"):
+                assert a[key] == b[key], (tp, ring, ulysses, key)
+            for key in ("flops", "compute_s", "comm_s", "exposed_comm_s", "step_s"):
+                assert b[key] == pytest.approx(a[key], rel=1e-9), (tp, ring, ulysses, key)
+            assert b["comm_s_by_kind"] == pytest.approx(a["comm_s_by_kind"], rel=1e-9)
+    sizes, estimate = [], planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda t, *a, **k: sizes.append(len(t.graph_module.graph.nodes))
+                        or estimate(t, *a, **k))
+    found = planner.search(traced, "h3", 8, slow, workers=1)
+    assert max(sizes) < len(traced.graph_module.graph.nodes)  # never the whole trace
+    assert found[0].extrapolated_from == 5 and found[0].step_s == pytest.approx(
+        min(e.step_s for e in whole.values() if not e.error), rel=1e-4)
+    pruned = [e for e in found if e.pruned]
+    assert pruned, "a layout of 1 or 2 ranks should be pruned by the 8-rank ones"
+    for e in pruned:  # the bound a layout is pruned by is never above what it costs
+        assert e.step_s <= whole[e.tp, e.ring, e.ulysses].step_s * (1 + 1e-9)
+    assert {(e.tp, e.ring, e.ulysses) for e in found} == set(whole)
+
+
+def test_a_cut_runs_as_the_model_with_fewer_blocks():
+    """The cut is the model with its first blocks only (values checked), and a model that reads every block's
+    output is not cut (the search partitions it whole)."""
+    import torch
+
+    from partitioner.frontend.trace import trace
+    from partitioner.planning.extrapolate import cut_chain
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, h):
+            return torch.nn.functional.gelu(self.linear(h)) + h
+
+    class Chain(torch.nn.Module):
+        def __init__(self, collect: bool):
+            super().__init__()
+            self.proj_in = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(5))
+            self.proj_out, self.collect = torch.nn.Linear(16, 4), collect
+
+        def forward(self, x, first: int = 5):
+            h, seen = self.proj_in(x), []
+            for block in self.blocks[:first]:
+                h = block(h)
+                seen.append(h)
+            return self.proj_out(torch.stack(seen).sum(0) if self.collect else h)
+
+    torch.manual_seed(0)
+    model, x = Chain(collect=False).eval(), torch.randn(3, 8)
+    traced = trace(model, ((x,), {}))
+    for keep in (1, 2):
+        cut = cut_chain(traced, keep)
+        args = [cut.state[gi.target] if gi.is_model_tensor else x for gi in cut.inputs]
+        (out,) = cut.graph_module(*args)
+        torch.testing.assert_close(out, model(x, first=keep), rtol=0, atol=0)
+        assert sum(gi.is_model_tensor for gi in cut.inputs) == 4 + 2 * keep
+    assert cut_chain(trace(Chain(collect=True).eval(), ((x,), {})), 1) is None
 
 
 def test_ring_layouts_are_costed(tiny_config):

@@ -402,6 +402,15 @@ def _guarded(rank, world, mode, image, broken=False):
         result["program"] = str(refusal)
     result["other_error"] = error(other_branch, module)  # the module traces again for the other branch
     result["back_error"] = error(same_branch, module)  # and the first program serves the first branch again
+    from partitioner.frontend.value_guards import Guards
+
+    replays, failed = [], Guards.failed
+    Guards.failed = lambda self, flat: replays.append(id(self)) or failed(self, flat)
+    try:  # each program's guards replayed once a call: to choose the program, not again to check the call
+        error(same_branch, module)
+    finally:
+        Guards.failed = failed
+    result["replays"] = len(replays), len(set(replays))
     result["specializations"] = list(module.specializations)
     diverged = _switch_inputs(image if rank == 0 else not image, seed=3)  # one rank's embeds take the other branch
     try:
@@ -432,6 +441,7 @@ def test_a_branch_on_a_float_input_is_a_guard_and_exact(pools, mode, image):
         assert "for this call's image_embeds, Tensor.__bool__ of image_embeds at test_value_specialization.py" \
             in result["program"] and "comes out otherwise" in result["program"], result["program"]
         assert len(result["specializations"]) == 1 and "otherwise" in result["specializations"][0], result
+        assert result["replays"] == (2, 2), result["replays"]
         assert "image_embeds" in result["diverged"], result["diverged"]
         if MODES[mode][1][-1] == "ulysses":
             assert result["sharded"], result
@@ -460,6 +470,23 @@ def test_a_number_read_from_a_float_input_is_pinned_and_only_it():
     failed = traced.guards.failed([torch.randn(2, 4), torch.tensor(0.3)])
     assert failed is not None and re.search(r"Tensor.item of t at test_value_specialization.py:\d+ in forward",
                                             str(failed.read))
+
+
+def test_printing_a_float_input_reads_nothing(capsys):
+    """``print(t)`` in forward shows the traced tensor, as export does, and neither pins nor guards the value (a
+    guard on its text would trace the model again for every timestep)."""
+    class Prints(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            print(f"timestep {t}", str(t))
+            return self.proj(x) * t
+
+    traced = _trace(Prints(), torch.randn(2, 4), torch.tensor(0.7))
+    assert traced.values == {} and traced.guards is None or not traced.guards.guards
+    assert "timestep" in capsys.readouterr().out
 
 
 # --- what the shadow follows, and what it refuses (traced in this process) -------------------------------------------

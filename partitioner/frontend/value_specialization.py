@@ -48,7 +48,7 @@ from .value_guards import GuardTape, ValueGuard, ValueRead
 # tensor (``x.T``, ``x.type(torch.float)``), which is then shadowed like any op's.
 _METADATA = {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
              "is_contiguous", "element_size", "is_floating_point", "is_complex", "get_device", "__len__", "type",
-             "data_ptr", "untyped_storage"}
+             "data_ptr", "untyped_storage", "__repr__", "__str__"}  # (a printed tensor: the fake's text)
 # Ops whose results are random or undefined: never shadowed (their values would be frozen into the trace), and
 # never allowed to write a tensor whose values are read.
 _UNSHADOWED = {"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson",
@@ -62,7 +62,7 @@ _VALUE_FREE = {"zeros", "ones", "full", "arange", "linspace", "logspace", "eye",
                "new_tensor"}
 # Ops that answer Python with values (never a tensor): computed on the real values, a read.
 _PYTHON_VALUES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__contains__",
-                  "__format__", "__repr__", "__str__", "numpy", "__array__", "equal", "allclose", "is_nonzero"}
+                  "__format__", "numpy", "__array__", "equal", "allclose", "is_nonzero"}
 _IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                        "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                        "__imatmul__"}

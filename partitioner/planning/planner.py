@@ -22,7 +22,7 @@ from ..errors import InputError, PartitionError
 from ..frontend.trace import copy_graph_module
 from ..mesh import as_mesh_spec
 from ..passes.context import Overlap
-from . import cost
+from . import cost, extrapolate
 
 MODELS = {"minimax-h3": "MiniMaxH3Transformer3DModel"}
 DEFAULT_PROFILE = "trn2"
@@ -51,6 +51,8 @@ class LayoutEstimate:
     profile: str = DEFAULT_PROFILE
     # every rank's parameter elements and bytes: [{"rank", "parameter_count", "parameter_bytes"}]
     ranks: list[dict[str, int]] = field(default_factory=list)
+    extrapolated_from: int | None = None  # the chain's block count, where costed from cuts to 1 and 2 blocks
+    pruned: str | None = None  # why the search did not cost it: its compute alone is slower than the best found
 
     @property
     def layout(self) -> str:
@@ -66,6 +68,7 @@ class LayoutEstimate:
 
     @property
     def step_s(self) -> float:
+        """The estimate; for a pruned layout, the lower bound it was pruned by."""
         return self.compute_s + self.exposed_comm_s
 
     @property
@@ -203,10 +206,107 @@ def layouts(devices: int, ring: bool = True) -> list[tuple[int, int, int]]:
 
 
 def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | None = None,
-           device_memory: int | None = None, ring: bool = True) -> list[LayoutEstimate]:
+           device_memory: int | None = None, ring: bool = True, exhaustive: bool = False,
+           workers: int | None = None) -> list[LayoutEstimate]:
     """Every layout on ``devices``, possible ones first, those that fit first, fastest first, from one trace
-    (``trace(model, inputs)``)."""
+    (``trace(model, inputs)``).
+
+    Unless ``exhaustive`` (every layout partitioned whole), two savings that leave the best layout the same:
+    - a layout is costed from the trace cut to two and to three blocks of its longest chain of repeated blocks
+      (``extrapolate.py``: exact for a chain of identical blocks), not from the whole trace;
+    - layouts are costed by rank count, most ranks first, after the unsplit model (tp=1): no rank computes less
+      than the unsplit model's compute over its rank count, so once that bound is slower than the best layout
+      found that fits, the layouts of that many ranks (and of fewer) cannot be the best; they are listed as
+      ``pruned`` with the bound, not costed.
+    The layouts of one rank count are costed side by side in ``workers`` forked processes (default: the cores
+    this process may use; one where other threads run, which a fork would not carry)."""
     profile = profile or cost.load_profile(DEFAULT_PROFILE)
-    found = [estimate(traced, model_name, tp, u, devices, profile, device_memory, ring=r)
-             for tp, r, u in layouts(devices, ring)]
-    return sorted(found, key=lambda e: (e.error is not None, e.fits is False, e.step_s))
+    job = _SearchJob(None if exhaustive else _cuts(traced), traced, model_name, devices, profile, device_memory)
+    unsplit = job.cost((1, 1, 1))
+    found, best = [unsplit], _better(None, unsplit)
+    by_ranks: dict[int, list[tuple[int, int, int]]] = {}
+    for layout in layouts(devices, ring):
+        if layout != (1, 1, 1):
+            by_ranks.setdefault(layout[0] * layout[1] * layout[2], []).append(layout)
+    for ranks in sorted(by_ranks, reverse=True):
+        bound = unsplit.compute_s / ranks if not unsplit.error else 0.0
+        if not exhaustive and best is not None and bound > best.step_s:
+            why = (f"its compute alone, split perfectly over its {ranks} ranks, takes {bound * 1e3:.1f} ms: slower "
+                   f"than {best.layout}'s {best.step_s * 1e3:.1f} ms")
+            found += [LayoutEstimate(tp, u, devices // ranks, compute_s=bound, device_memory=device_memory, ring=r,
+                                     profile=profile.name, pruned=why) for tp, r, u in by_ranks[ranks]]
+            continue
+        for estimated in _map(job.cost, by_ranks[ranks], workers):
+            found.append(estimated)
+            best = _better(best, estimated)
+    return sorted(found, key=lambda e: (e.error is not None, e.pruned is not None, e.fits is False, e.step_s))
+
+
+@dataclass
+class _SearchJob:
+    cuts: tuple | None  # (blocks, the trace cut to KEPT blocks, to KEPT + 1), or None: the whole trace
+    traced: object
+    model_name: str
+    devices: int
+    profile: cost.DeviceProfile
+    device_memory: int | None
+
+    def cost(self, layout: tuple[int, int, int]) -> LayoutEstimate:
+        tp, r, u = layout
+        if self.cuts is None:
+            return estimate(self.traced, self.model_name, tp, u, self.devices, self.profile, self.device_memory, r)
+        blocks, *cuts = self.cuts
+        return extrapolate.extrapolated(*(estimate(cut, self.model_name, tp, u, self.devices, self.profile,
+                                                   self.device_memory, r) for cut in cuts), blocks)
+
+
+_JOB_IN_WORKER = None  # what a forked worker costs layouts with (inherited, never pickled)
+
+
+def _cost_in_worker(layout):
+    return _JOB_IN_WORKER(layout)
+
+
+def _map(fn, items: list, workers: int | None) -> list:
+    """``[fn(item) for item in items]``, over forked processes where there are several items, cores and no other
+    thread (a fork copies only the calling thread: a lock another thread holds would never be released). torch.fx's
+    Interpreter makes a (disabled) tqdm bar, whose class starts a monitor thread: it is stopped first, by tqdm's
+    own switch (``monitor_interval = 0``), and left off in the workers."""
+    global _JOB_IN_WORKER
+    import multiprocessing
+    import os
+    import threading
+
+    from tqdm.std import tqdm
+
+    workers = min(len(items), workers or len(os.sched_getaffinity(0)))
+    interval = tqdm.monitor_interval
+    if workers > 1 and tqdm.monitor is not None:
+        tqdm.monitor_interval = 0
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    try:
+        if workers < 2 or threading.active_count() > 1:
+            return [fn(item) for item in items]
+        _JOB_IN_WORKER = fn
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_cost_in_worker, items, chunksize=1)
+    finally:
+        _JOB_IN_WORKER, tqdm.monitor_interval = None, interval
+
+
+def _cuts(traced) -> tuple[int, object, object] | None:
+    """(the longest chain's block count, the trace cut to its first ``KEPT`` blocks, to one more), or None where
+    the chain is too short for cutting to save anything."""
+    blocks = extrapolate.blocks_of(traced)
+    if blocks <= extrapolate.KEPT + 1:
+        return None
+    one, two = extrapolate.cut_chain(traced, extrapolate.KEPT), extrapolate.cut_chain(traced, extrapolate.KEPT + 1)
+    return None if one is None or two is None else (blocks, one, two)
+
+
+def _better(best: LayoutEstimate | None, candidate: LayoutEstimate) -> LayoutEstimate | None:
+    """The faster of two layouts among those possible and not known not to fit."""
+    if candidate.error or candidate.fits is False:
+        return best
+    return candidate if best is None or candidate.step_s < best.step_s else best

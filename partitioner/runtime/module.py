@@ -138,14 +138,15 @@ class PartitionedModule(torch.nn.Module):
             key = _shape_signature(pad_named(named, buckets, owner, shapes_only=True))  # the program it runs on
             key += tuple(value_digest(t) for name, t in _tensors(named) if name in self._valued)
             flat = pytree.tree_leaves(((), named))
-            key += tuple(guards.failed(flat) is None for guards in self._guards)
+            outcomes = {id(guards): guards.failed(flat) for guards in self._guards}  # replayed once a call
+            key += tuple(outcomes[id(guards)] is None for guards in self._guards)
             compiled = self._cache.get(key)
             if compiled is None:  # padded for real only to choose or build a program (the program pads each call)
                 bucketed = pad_named(named, buckets, owner)
-                if self._first.accepts((), bucketed):
+                if self._first.accepts((), bucketed, outcomes):
                     compiled = self._first
             if compiled is not None:
-                checked = compiled.check(args, kwargs)
+                checked = compiled.check(args, kwargs, outcomes)
                 agreement = compiled.agreement(checked)
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)

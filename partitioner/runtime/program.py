@@ -67,9 +67,10 @@ class CompiledPartition:
     def state(self) -> list[torch.Tensor]:
         return self.tensors()
 
-    def flatten(self, args, kwargs) -> tuple[list, list, bool | None, dict]:
+    def flatten(self, args, kwargs, guard_outcomes: dict | None = None) -> tuple[list, list, bool | None, dict]:
         """All flattened forward arguments, those the device graph takes, the call's return_dict, and the real
-        sizes of the dims padded to their bucket (flat argument index -> {dim: size})."""
+        sizes of the dims padded to their bucket (flat argument index -> {dim: size}). ``guard_outcomes``: this
+        call's ``Guards.failed`` already replayed (by the drop-in module, keyed by ``id`` of the guards)."""
         named, return_dict = call_arguments(self.traced.signature, args, kwargs, self.owner)
         leaves, spec = pytree.tree_flatten_with_path(((), named))
         flat = [leaf for _, leaf in leaves]
@@ -104,17 +105,18 @@ class CompiledPartition:
                 raise InputError(f"{self.owner}: {names[index]} has other values than the ones this partition was "
                                  f"traced for, and the model reads them ({self.traced.value_reads[0]}); the module "
                                  "compile() returns traces again for new values, or partition again with these")
-        failed = self.traced.guards.failed(flat) if self.traced.guards is not None else None
+        guards, known = self.traced.guards, guard_outcomes or {}
+        failed = None if guards is None else known[id(guards)] if id(guards) in known else guards.failed(flat)
         if failed is not None:  # the model's code would have taken another branch (or another size) for this call
             raise InputError(f"{self.owner}: for this call's {', '.join(failed.read.inputs)}, {failed.describe()} "
                              "comes out otherwise than when this partition was traced; the module compile() returns "
                              "traces again for it, or partition again with these inputs")
         return flat, [flat[i] for i in self.user_index], return_dict, real_sizes
 
-    def accepts(self, args, kwargs) -> bool:
+    def accepts(self, args, kwargs, guard_outcomes: dict | None = None) -> bool:
         """Whether this program takes the call as it is (its shapes, dtypes, structure and constants)."""
         try:
-            self.flatten(args, kwargs)
+            self.flatten(args, kwargs, guard_outcomes)
         except InputError:
             return False
         return True
@@ -145,11 +147,11 @@ class CompiledPartition:
             padded.append(full.to(self.device))
         return padded, self.host.sizes(outputs)
 
-    def check(self, args, kwargs) -> "_Checked":
+    def check(self, args, kwargs, guard_outcomes: dict | None = None) -> "_Checked":
         """Every check of a call that can fail, before its first collective: its arguments bound, flattened, padded
         and compared with the trace, the host prologue run, every index checked. Raises ``InputError``."""
         try:
-            flat, user, return_dict, real_sizes = self.flatten(args, kwargs)
+            flat, user, return_dict, real_sizes = self.flatten(args, kwargs, guard_outcomes)
             hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
             self.preflight.check(flat, hosted, real_sizes)
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
