@@ -146,6 +146,26 @@ def test_search_costs_cuts_of_the_repeated_blocks_as_whole_partitions(monkeypatc
     assert {(e.tp, e.ring, e.ulysses) for e in found} == set(whole)
 
 
+def test_a_layout_the_partitioner_fails_on_does_not_end_the_search(monkeypatch):
+    """An internal failure at one layout (an InvariantError: a bug) is listed with that layout, loudly, and every
+    other layout is still costed."""
+    from partitioner.errors import InvariantError
+    from partitioner.planning import planner
+
+    traced, estimate = _meta_h3(2), planner.estimate
+
+    def failing(t, name, tp, ulysses, *args, ring=1, **kwargs):
+        if (tp, ring, ulysses) == (2, 1, 1):
+            raise InvariantError("pass localize failed at view_3")
+        return estimate(t, name, tp, ulysses, *args, ring=ring, **kwargs)
+
+    monkeypatch.setattr(planner, "estimate", failing)
+    found = {(e.tp, e.ring, e.ulysses): e for e in planner.search(traced, "h3", 4, workers=1, ring=False)}
+    assert set(found) == set(layouts(4, ring=False))
+    assert found[2, 1, 1].error == "the partitioner failed (a bug): pass localize failed at view_3"
+    assert found[1, 1, 1].error is None and found[4, 1, 1].error is None
+
+
 def test_a_cut_runs_as_the_model_with_fewer_blocks():
     """The cut is the model with its first blocks only (values checked), and a model that reads every block's
     output is not cut (the search partitions it whole)."""

@@ -63,3 +63,14 @@ def test_zoo_model_is_exact_or_refused_for_a_documented_reason(pools, name, mode
             assert {"all_reduce:ulysses", "halo_exchange:ulysses"} <= set(results[0]["collectives"]), results[0]
     if "tp" in names:
         assert results[0]["collectives"].get("all_reduce:tp", 0) > 0
+
+
+@pytest.mark.parametrize("name", ["lumina2", "flux"])
+def test_ring_and_ulysses_compose(pools, name):
+    """ring=2 x ulysses=2 shards the rows over both axes, ring outer. Lumina2's rotary table is split by Ulysses
+    and whole over the ring where the query both split reads it: this rank's rows of it are not all here, so the
+    Ulysses split is gathered first and both slices taken (insert_collectives); exact, every attention sharded."""
+    results = pools[4].run(partition_case, name, (2, 2), ("ring", "ulysses"), dict(text=7))
+    for rank, result in enumerate(results):
+        assert result["status"] == "exact", (rank, result)
+    assert results[0]["attention_sharded"] == results[0]["attentions"] == SEQUENCE_SHARDED[name], results[0]

@@ -263,12 +263,34 @@ def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext
                              f"and {consumer.name} needs them as {required}; only the exchange back to the packed "
                              "layout restores their order. Partition without this axis, or report the model")
     if current == R and is_sharded(required):
+        inner = _inner_splits(producer, required, axis, ctx)
+        if inner:  # this rank's rows of the outer shard are not all here: gather the inner axes, slice both
+            gathered = producer
+            for other, placement in reversed(inner):
+                gathered = _all_gather(gathered, placement, other, ctx)
+            narrowed = _narrow(gathered, required, axis, ctx)
+            for other, placement in inner:
+                narrowed = _narrow(narrowed, placement, other, ctx)
+            return narrowed
         return _narrow(producer, required, axis, ctx)
     if is_sharded(current) and required == R:
         return _all_gather(producer, current, axis, ctx)
     if is_sharded(current) and is_sharded(required):
         return _all_to_all(producer, current, required, axis, ctx, consumer)
     raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
+
+
+def _inner_splits(producer: Node, required, axis: str, ctx: PassContext) -> list[tuple[str, object]]:
+    """The axes after ``axis`` in mesh order whose (plain) shards of ``producer`` already split the dim ``axis``
+    is to slice. Nested axes split outer first (ring's rows, then each ring shard among the Ulysses ranks): a value
+    replicated over ``axis`` but split by an inner axis holds that inner axis's part of the whole dim, which does
+    not contain this rank's part of the outer shard (ring=2 x ulysses=2, rank (1, 0): rows 2/4-3/4 are wanted,
+    rows 0-1/2 are here). A rotary table Ulysses shards and the ring does not, read by a query both shard."""
+    names = list(ctx.mesh.axis_names)
+    return [(other, placement) for other in names[names.index(axis) + 1:]
+            for placement in [producer.meta["placements"].get(other, R)]
+            if is_sharded(placement) and not isinstance(placement, InnerShard)
+            and not isinstance(required, InnerShard) and placement.dim == required.dim]
 
 
 def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..api import partition_traced
-from ..errors import InputError, PartitionError
+from ..errors import InputError, InvariantError, PartitionError
 from ..frontend.trace import copy_graph_module
 from ..mesh import as_mesh_spec
 from ..passes.context import Overlap
@@ -252,12 +252,23 @@ class _SearchJob:
     device_memory: int | None
 
     def cost(self, layout: tuple[int, int, int]) -> LayoutEstimate:
+        """The layout's estimate; a layout the partitioner fails on (a bug: ``InvariantError``) is listed with the
+        failure rather than ending the search of every other layout."""
+        try:
+            return self._cost(layout)
+        except InvariantError as error:
+            tp, r, u = layout
+            return LayoutEstimate(tp, u, self.devices // (tp * r * u), device_memory=self.device_memory, ring=r,
+                                  profile=self.profile.name, error=f"the partitioner failed (a bug): {error}")
+
+    def _cost(self, layout: tuple[int, int, int]) -> LayoutEstimate:
         tp, r, u = layout
         if self.cuts is None:
-            return estimate(self.traced, self.model_name, tp, u, self.devices, self.profile, self.device_memory, r)
+            return estimate(self.traced, self.model_name, tp, u, self.devices, self.profile, self.device_memory,
+                            ring=r)
         blocks, *cuts = self.cuts
         return extrapolate.extrapolated(*(estimate(cut, self.model_name, tp, u, self.devices, self.profile,
-                                                   self.device_memory, r) for cut in cuts), blocks)
+                                                   self.device_memory, ring=r) for cut in cuts), blocks)
 
 
 _JOB_IN_WORKER = None  # what a forked worker costs layouts with (inherited, never pickled)
