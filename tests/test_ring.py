@@ -165,3 +165,27 @@ def test_a_joint_sequence_whose_text_is_not_whole_frames_keeps_its_ring_attentio
     for rank, result in enumerate(run_ranks(2, partition_case, "hunyuan_video15", (2,), ("ring",), sizes)):
         assert result["status"] == "exact" and result["attention_sharded"] == 3, (rank, result)
         assert result["collectives"].get("ring_pass:ring"), result  # (exact because it ran as ring attention)
+
+
+def test_ring_attention_fake_results_are_memoized_as_computed(monkeypatch):
+    """localize propagates a ring attention once per distinct call (its loop over the ring's blocks runs on fake
+    tensors); a later call with the same arguments' metadata (the next block, the planner's next cut) takes the
+    remembered result's shape, stride and dtype: the rank graph is the same as with every call computed."""
+    from partitioner.passes import regions
+
+    targets = regions._memoized_targets
+
+    def rank_graph(memo: bool, fresh: bool = True):
+        if fresh:
+            monkeypatch.setattr(regions, "_METADATA_RESULTS", {})
+        monkeypatch.setattr(regions, "_memoized_targets", targets if memo else lambda: ())
+        with fake_mesh((4,), ("ring",), 1) as mesh:
+            graph = partitioner.partition(tiny_h3(num_layers=3), mesh, ((), h3_inputs(TINY_H3))).graph_module.graph
+        return [(n.name, str(n.target), tuple(v.shape), v.stride(), v.dtype) for n in graph.nodes
+                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)], dict(regions._METADATA_RESULTS)
+
+    computed, _ = rank_graph(memo=False)
+    memoized, remembered = rank_graph(memo=True)
+    again, _ = rank_graph(memo=True, fresh=False)  # every ring attention now from the memo
+    assert memoized == computed and again == computed
+    assert remembered and all(key[0] is collectives.ring_attention for key in remembered)

@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
+from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 _BLOCK = re.compile(r"\.\d+$")
@@ -45,6 +46,19 @@ def propagate_fake_values(gm: GraphModule, mode: FakeTensorMode, inputs) -> None
     _RepeatedBlockProp(gm, mode).propagate_dont_convert_inputs(*inputs)
 
 
+# Python-level ops whose fake result is a fresh tensor that depends only on their arguments (tensors by metadata):
+# ring attention loops over the ring's blocks (32 of them at ring=32), the planner's search propagates the same call
+# for each cut and each block. Their results' metadata are kept here, by the call's metadata, for this process.
+_METADATA_RESULTS: dict[tuple, tuple] = {}
+_MEMO_LIMIT = 512
+
+
+def _memoized_targets() -> tuple:
+    from ..runtime.collectives import ring_attention
+
+    return (ring_attention,)
+
+
 class _RepeatedBlockProp(FakeTensorProp):
     def __init__(self, gm: GraphModule, mode: FakeTensorMode):
         super().__init__(gm, mode)
@@ -57,9 +71,31 @@ class _RepeatedBlockProp(FakeTensorProp):
             self._match(self.runs[n])
         template = self.copy_from.pop(n, None)
         if template is None:
+            if n.op == "call_function" and n.target in _memoized_targets():
+                return self._memoized(n)
             return super().run_node(n)
         n.meta["val"] = template.meta["val"]
         return template.meta["val"]
+
+    def _memoized(self, n: Node):
+        """A memoized op's fake result: recreated from the metadata of an earlier call with the same arguments'
+        metadata (a fresh tensor of that shape, stride, dtype and device), else computed and remembered."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        key = (n.target, _metadata((*args, *kwargs.values())), tuple(sorted(kwargs)))
+        known = _METADATA_RESULTS.get(key) if None not in key[1] else None
+        if known is None:
+            result = super().run_node(n)
+            meta = _metadata(result)
+            if None not in key[1] and isinstance(result, torch.Tensor) and meta is not None and meta[2] == 0:
+                if len(_METADATA_RESULTS) >= _MEMO_LIMIT:
+                    _METADATA_RESULTS.pop(next(iter(_METADATA_RESULTS)))
+                _METADATA_RESULTS[key] = meta
+            return result
+        shape, stride, offset, dtype, device = known
+        with self._mode:
+            result = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        n.meta["val"] = snapshot_fake(result)
+        return result
 
     def _match(self, run: list[Node]) -> None:
         code, external = code_of(run)
