@@ -110,5 +110,6 @@ def main() -> None:
             print(f"  exhaustive search, one core: {exhaustive:.1f} s = {exhaustive / one_partition:.1f}x one "
                   f"partition; its best {every[0].layout} ({every[0].step_s * 1e3:.3f} ms)")
 
+
 if __name__ == "__main__":
     main()

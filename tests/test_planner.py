@@ -114,7 +114,9 @@ def test_search_costs_cuts_of_the_repeated_blocks_as_whole_partitions(monkeypatc
     traced = _meta_h3(5)
     # a slow device: compute outweighs communication, as at production sizes, so that few ranks can be pruned
     slow = cost.with_overrides(cost.load_profile("trn2"), matmul_tflops=1e-3, memory_gbps=1.0)
-    cuts = cut_chain(traced, 2), cut_chain(traced, 3)
+    (two, blocks), (three, _) = cut_chain(traced, 2), cut_chain(traced, 3)
+    cuts = two, three
+    assert blocks == 5
     assert [len(cut.inputs) for cut in cuts] < [len(traced.inputs)] * 2
     whole = {}
     for profile, ring_too in ((cost.load_profile("trn2"), False), (slow, True)):
@@ -200,7 +202,8 @@ def test_a_cut_runs_as_the_model_with_fewer_blocks():
     model, x = Chain(collect=False).eval(), torch.randn(3, 8)
     traced = trace(model, ((x,), {}))
     for keep in (1, 2):
-        cut = cut_chain(traced, keep)
+        cut, blocks = cut_chain(traced, keep)
+        assert blocks == 5
         args = [cut.state[gi.target] if gi.is_model_tensor else x for gi in cut.inputs]
         (out,) = cut.graph_module(*args)
         torch.testing.assert_close(out, model(x, first=keep), rtol=0, atol=0)

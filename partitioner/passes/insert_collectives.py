@@ -286,11 +286,12 @@ def _inner_splits(producer: Node, required, axis: str, ctx: PassContext) -> list
     replicated over ``axis`` but split by an inner axis holds that inner axis's part of the whole dim, which does
     not contain this rank's part of the outer shard (ring=2 x ulysses=2, rank (1, 0): rows 2/4-3/4 are wanted,
     rows 0-1/2 are here). A rotary table Ulysses shards and the ring does not, read by a query both shard."""
+    if isinstance(required, InnerShard):  # sliced after every other axis: nothing inner to it
+        return []
     names = list(ctx.mesh.axis_names)
     return [(other, placement) for other in names[names.index(axis) + 1:]
             for placement in [producer.meta["placements"].get(other, R)]
-            if is_sharded(placement) and not isinstance(placement, InnerShard)
-            and not isinstance(required, InnerShard) and placement.dim == required.dim]
+            if is_sharded(placement) and not isinstance(placement, InnerShard) and placement.dim == required.dim]
 
 
 def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:

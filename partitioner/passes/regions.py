@@ -3,6 +3,7 @@ nodes across (a node moved into another block's run would cut that block's regio
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -53,8 +54,9 @@ _METADATA_RESULTS: dict[tuple, tuple] = {}
 _MEMO_LIMIT = 512
 
 
+@functools.cache
 def _memoized_targets() -> tuple:
-    from ..runtime.collectives import ring_attention
+    from ..runtime.collectives import ring_attention  # (imported late: runtime imports the passes' helpers)
 
     return (ring_attention,)
 
@@ -81,12 +83,13 @@ class _RepeatedBlockProp(FakeTensorProp):
         """A memoized op's fake result: recreated from the metadata of an earlier call with the same arguments'
         metadata (a fresh tensor of that shape, stride, dtype and device), else computed and remembered."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        key = (n.target, _metadata((*args, *kwargs.values())), tuple(sorted(kwargs)))
-        known = _METADATA_RESULTS.get(key) if None not in key[1] else None
+        arguments = _metadata((*args, *kwargs.values()))  # None where a size is symbolic: never memoized
+        key = (n.target, arguments, tuple(kwargs))
+        known = _METADATA_RESULTS.get(key) if arguments is not None else None
         if known is None:
             result = super().run_node(n)
             meta = _metadata(result)
-            if None not in key[1] and isinstance(result, torch.Tensor) and meta is not None and meta[2] == 0:
+            if arguments is not None and isinstance(result, torch.Tensor) and meta is not None and meta[2] == 0:
                 if len(_METADATA_RESULTS) >= _MEMO_LIMIT:
                     _METADATA_RESULTS.pop(next(iter(_METADATA_RESULTS)))
                 _METADATA_RESULTS[key] = meta

@@ -1,4 +1,4 @@
-"""Costing a layout without partitioning every block: a trace cut to one and two of its repeated blocks.
+"""Costing a layout without partitioning every block: a trace cut to two and three of its repeated blocks.
 
 A diffusion transformer is a chain of identical blocks (H3: 50 of 91 nodes each, in 5400). Partitioning the whole
 graph for every layout of a search repeats the same decisions 50 times over. Instead the chain with the most nodes
@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 
 from ..frontend.trace import Traced, copy_graph_module
 from ..passes.regions import code_of, repeated_block, runs_of_blocks
+from .report import parameter_extremes
 
 _INDEX = re.compile(r"\.\d+$")
 KEPT = 2  # blocks of the smaller cut: the first enters from the glue, the second and later are alike
@@ -57,19 +58,20 @@ def longest_chain(gm: GraphModule) -> Chain | None:
     return best
 
 
-def cut_chain(traced: Traced, keep: int) -> Traced | None:
-    """A copy of ``traced`` whose longest chain keeps its first ``keep`` blocks: what read the last block's values
-    reads the kept last block's (the same node by position: the blocks' code is the same), the model tensors only
-    the dropped blocks read are dropped with them. None where there is no chain longer than ``keep`` or a dropped
-    block's value is read outside the chain other than the last's (then the cut would not be the model's)."""
+def cut_chain(traced: Traced, keep: int) -> tuple[Traced, int] | None:
+    """A copy of ``traced`` whose longest chain keeps its first ``keep`` blocks, and the chain's block count: what
+    read the last block's values reads the kept last block's (the same node by position: the blocks' code is the
+    same), the model tensors only the dropped blocks read are dropped with them. None where there is no chain longer
+    than ``keep`` or a dropped block's value is read outside the chain other than the last's (then the cut would not
+    be the model's)."""
     gm = copy_graph_module(traced.graph_module)
     chain = longest_chain(gm)
     if chain is None or chain.blocks <= keep:
         return None
     in_chain = {node for run in chain.runs for node in run}
     last, kept_last = chain.runs[-1], chain.runs[keep - 1]
-    dropped = [node for run in chain.runs[keep:] for node in run]
-    if any(user not in in_chain for node in dropped if node not in set(last) for user in node.users):
+    dropped, in_last = [node for run in chain.runs[keep:] for node in run], set(last)
+    if any(user not in in_chain for node in dropped if node not in in_last for user in node.users):
         return None
     for node, replacement in zip(last, kept_last):
         node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user not in in_chain)
@@ -83,14 +85,9 @@ def cut_chain(traced: Traced, keep: int) -> Traced | None:
         gm.graph.erase_node(node)
     gm.recompile()
     names = {gi.target for gi in inputs if gi.is_model_tensor}
-    return dataclasses.replace(traced, graph_module=gm, inputs=inputs,
-                               state={name: t for name, t in traced.state.items() if name in names})
-
-
-def blocks_of(traced: Traced) -> int:
-    """How many blocks the trace's longest chain has (1 where none repeats)."""
-    chain = longest_chain(traced.graph_module)
-    return chain.blocks if chain is not None else 1
+    cut = dataclasses.replace(traced, graph_module=gm, inputs=inputs,
+                              state={name: t for name, t in traced.state.items() if name in names})
+    return cut, chain.blocks
 
 
 def extrapolated(one, two, blocks: int, kept: int = KEPT):
@@ -119,14 +116,5 @@ def extrapolated(one, two, blocks: int, kept: int = KEPT):
         ranks=[{"rank": a["rank"], **{k: linear(a[k], b[k]) for k in ("parameter_count", "parameter_bytes")}}
                for a, b in zip(one.ranks, two.ranks)],
         extrapolated_from=blocks)
-    result.parameter_ranks = _extremes(result.ranks)
+    result.parameter_ranks = parameter_extremes([(r["parameter_count"], r["parameter_bytes"]) for r in result.ranks])
     return result
-
-
-def _extremes(ranks: list[dict[str, int]]) -> dict[str, dict[str, int]]:
-    if not ranks:
-        return {}
-    largest = max(ranks, key=lambda r: (r["parameter_bytes"], -r["rank"]))
-    smallest = min(ranks, key=lambda r: (r["parameter_bytes"], -r["rank"]))  # as Report.parameter_extremes
-    return {which: {"rank": r["rank"], "parameter_count": r["parameter_count"], "bytes": r["parameter_bytes"]}
-            for which, r in (("largest", largest), ("smallest", smallest))}

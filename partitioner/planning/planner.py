@@ -51,7 +51,7 @@ class LayoutEstimate:
     profile: str = DEFAULT_PROFILE
     # every rank's parameter elements and bytes: [{"rank", "parameter_count", "parameter_bytes"}]
     ranks: list[dict[str, int]] = field(default_factory=list)
-    extrapolated_from: int | None = None  # the chain's block count, where costed from cuts to 1 and 2 blocks
+    extrapolated_from: int | None = None  # the chain's block count, where costed from cuts to 2 and 3 blocks
     pruned: str | None = None  # why the search did not cost it: its compute alone is slower than the best found
 
     @property
@@ -309,11 +309,9 @@ def _map(fn, items: list, workers: int | None) -> list:
 def _cuts(traced) -> tuple[int, object, object] | None:
     """(the longest chain's block count, the trace cut to its first ``KEPT`` blocks, to one more), or None where
     the chain is too short for cutting to save anything."""
-    blocks = extrapolate.blocks_of(traced)
-    if blocks <= extrapolate.KEPT + 1:
-        return None
-    one, two = extrapolate.cut_chain(traced, extrapolate.KEPT), extrapolate.cut_chain(traced, extrapolate.KEPT + 1)
-    return None if one is None or two is None else (blocks, one, two)
+    longer = extrapolate.cut_chain(traced, extrapolate.KEPT + 1)
+    shorter = extrapolate.cut_chain(traced, extrapolate.KEPT) if longer is not None else None
+    return None if shorter is None else (longer[1], shorter[0], longer[0])
 
 
 def _better(best: LayoutEstimate | None, candidate: LayoutEstimate) -> LayoutEstimate | None:

@@ -52,10 +52,7 @@ class Report:
     def parameter_extremes(self) -> dict[str, dict[str, int]]:
         """The ranks holding the most and the fewest parameter bytes: {"largest": {rank, parameter_count, bytes},
         "smallest": ...}."""
-        ranked = sorted(range(len(self.rank_parameters)), key=lambda r: (self.rank_parameters[r][1], -r))
-        return {which: {"rank": r, "parameter_count": self.rank_parameters[r][0],
-                        "bytes": self.rank_parameters[r][1]}
-                for which, r in (("largest", ranked[-1]), ("smallest", ranked[0]))} if ranked else {}
+        return parameter_extremes(self.rank_parameters)
 
     def count(self, kind: str) -> int:
         return sum(c.count for c in self.collectives if c.kind == kind)
@@ -265,6 +262,14 @@ def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
             size, count = collective_calls(node)
             calls[(kind, axis, size)] += count
     return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
+
+
+def parameter_extremes(rank_parameters: list[tuple[int, int]]) -> dict[str, dict[str, int]]:
+    """Of every rank's (parameter count, bytes), the ranks holding the most and the fewest bytes (ties: the lower
+    rank is the largest, the higher the smallest)."""
+    ranked = sorted(range(len(rank_parameters)), key=lambda r: (rank_parameters[r][1], -r))
+    return {which: {"rank": r, "parameter_count": rank_parameters[r][0], "bytes": rank_parameters[r][1]}
+            for which, r in (("largest", ranked[-1]), ("smallest", ranked[0]))} if ranked else {}
 
 
 def rank_parameters(gm: GraphModule, ctx: PassContext) -> list[tuple[int, int]]:

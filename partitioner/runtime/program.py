@@ -106,7 +106,10 @@ class CompiledPartition:
                                  f"traced for, and the model reads them ({self.traced.value_reads[0]}); the module "
                                  "compile() returns traces again for new values, or partition again with these")
         guards, known = self.traced.guards, guard_outcomes or {}
-        failed = None if guards is None else known[id(guards)] if id(guards) in known else guards.failed(flat)
+        if guards is None:
+            failed = None
+        else:  # replayed here unless the caller already did for this call
+            failed = known[id(guards)] if id(guards) in known else guards.failed(flat)
         if failed is not None:  # the model's code would have taken another branch (or another size) for this call
             raise InputError(f"{self.owner}: for this call's {', '.join(failed.read.inputs)}, {failed.describe()} "
                              "comes out otherwise than when this partition was traced; the module compile() returns "
