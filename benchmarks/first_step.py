@@ -1,6 +1,6 @@
 """Time to first step, and what compiling costs once partitioned, on a mid-size 50-block MiniMax-H3.
 
-    python benchmarks/first_step.py [--blocks 50] [--skip-4-ranks]
+    python benchmarks/first_step.py [--blocks 50] [--skip-4-ranks] [--repeats 3]
 
 The model (8 heads x 64, hidden 512, ``--blocks`` blocks, float32, random weights) is saved once with
 ``save_pretrained`` to a temporary folder. Every run is a fresh process with its own empty Inductor cache folder
@@ -16,7 +16,9 @@ The model (8 heads x 64, hidden 512, ``--blocks`` blocks, float32, random weight
   TP=2 on 2 gloo ranks     the same on real ranks, then a second start on the first one's cache folder: what
                            Inductor's FX graph cache saves across ranks and restarts (its hits and misses).
 The compile figure is the first call (Inductor compiles then): its wall time and its CPU seconds (the process and
-the compiler subprocesses it waits for). Each partitioned run prints the drop-in module's time to first step.
+the compiler subprocesses it waits for). This machine's noise reaches 20% between two cold runs of one
+configuration, so the one-process configurations run ``--repeats`` times, taking turns, and each keeps its
+fastest. Each partitioned run prints the drop-in module's time to first step.
 Issue 36's target: a rank's compile no more than 1.2x the unpartitioned model's, and a second start compiling
 nothing.
 """
@@ -113,24 +115,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--skip-4-ranks", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="cold runs of each one-process configuration")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         folder = os.path.join(root, "model")
         tiny_h3(**dict(MID, num_layers=args.blocks)).save_pretrained(folder)
-        results = {}
+        results, runs = {}, 0
         alone = multiprocessing.get_context("spawn")
-        for name, fn, extra in (("unpartitioned (regional)", unpartitioned, ()),
-                                ("one rank of TP=2", partitioned, ((("tp", 2),), True)),
-                                ("one rank of TP=2 x Ulysses=2", partitioned, ((("tp", 2), ("ulysses", 2)), True))):
-            if "Ulysses" in name and args.skip_4_ranks:
-                continue
-            with alone.Pool(1) as pool:
-                results[name] = [pool.apply(fn, (0, 1, folder, os.path.join(root, f"cache-{len(results)}"), *extra))]
+        for _ in range(args.repeats):  # the configurations take turns; each keeps its fastest run (least CPU)
+            for name, fn, extra in (("unpartitioned (regional)", unpartitioned, ()),
+                                    ("one rank of TP=2", partitioned, ((("tp", 2),), True)),
+                                    ("one rank of TP=2 x Ulysses=2", partitioned,
+                                     ((("tp", 2), ("ulysses", 2)), True))):
+                if "Ulysses" in name and args.skip_4_ranks:
+                    continue
+                runs += 1
+                with alone.Pool(1) as pool:  # a fresh process and an empty cache folder: a cold start
+                    result = pool.apply(fn, (0, 1, folder, os.path.join(root, f"cache-{runs}"), *extra))
+                if name not in results or result["cpu"] < results[name][0]["cpu"]:
+                    results[name] = [result]
         for name in ("TP=2 on 2 gloo ranks", "TP=2 on 2 gloo ranks, second start"):
             results[name] = run_ranks(2, partitioned, folder, os.path.join(root, "cache-gloo"), (("tp", 2),))
     print(f"mid-size MiniMax-H3, {args.blocks} blocks ({MID['num_attention_heads']} heads x "
           f"{MID['attention_head_dim']}, hidden {MID['hidden_size']}), {sum(ROWS.values())} rows, float32; "
-          f"first call, one thread per process")
+          f"first call, one thread per process; one-process runs: the fastest of {args.repeats}, taking turns")
     base = results["unpartitioned (regional)"][0]
     print(f"{'':36} {'rank':>4} {'wall s':>7} {'CPU s':>7} {'vs unpartitioned (wall, CPU)':>29}  FX graph cache")
     for name, ranks in results.items():

@@ -23,8 +23,10 @@ HEADS = 6
 LAYOUTS = {"u2": ((2,), ("ulysses",)), "u4": ((4,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses"))}
 
 
-def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, group_name):
+def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, order, group_name):
     """The pieces an all_to_all receives, built from this rank's own rows only: what a missing exchange computes."""
+    order = order or list(range(x.dim()))
+    x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)
     own = x.split(scatter_sizes, dim=scatter_dim)[index]
     rows = torch.arange(sum(gather_sizes)) % own.shape[gather_dim]
     pieces = own.index_select(gather_dim, rows).split(gather_sizes, dim=gather_dim)
@@ -127,3 +129,48 @@ def test_uneven_heads_and_rows(layout):
         u = rank % ulysses
         before, after = next(v for k, v in cases["plain"]["shapes"].items() if k.startswith("permute"))
         assert before == (1, HEADS // tp, rows[u], 16) and after == (1, heads[u], 23, 16)
+
+
+def _exchange_in_every_order(rank: int, world: int) -> dict:
+    """A [batch, heads, rows, dim] value laid out as [batch, rows, heads, dim] (an attention's output), 5 rows and
+    3 heads split unevenly over 2 ranks, moved from rows to heads and back in every order of its dims."""
+    import itertools
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = init_device_mesh("cpu", (world,)).get_group().group_name
+    whole = torch.arange(2 * 5 * 3 * 4, dtype=torch.float32).reshape(2, 5, 3, 4).permute(0, 2, 1, 3)
+    rows, heads = [3, 2], [2, 1]
+    mine = whole.split(rows, dim=2)[rank]
+    results = {}
+    for order in itertools.permutations(range(4)):
+        order = list(order)
+        issued = collectives.all_to_all_start(mine, 1, 2, heads, rows, rank, order, group)
+        by_heads = collectives.all_to_all_wait(issued, list(mine.shape), 1, 2, heads, rows, rank, order)
+        issued = collectives.all_to_all_start(by_heads, 2, 1, rows, heads, rank, order, group)
+        back = collectives.all_to_all_wait(issued, list(by_heads.shape), 2, 1, rows, heads, rank, order)
+        results[tuple(order)] = (by_heads, back)
+        if order == [2, 0, 1, 3]:  # the joined dim (rows) first: the pieces, end to end, are the joined value
+            joined_without_copy = by_heads._is_view()
+    return dict(results=results, whole=whole, mine=mine, joined_without_copy=joined_without_copy)
+
+
+def test_every_order_an_exchange_travels_in_is_exact():
+    """Pieces may travel in any order of the dims (both sides use the same): every order gives the same values,
+    uneven on both dims; sent with the rows outermost, the joined rows are a view of what arrived (no copy)."""
+    for rank, got in enumerate(run_ranks(2, _exchange_in_every_order)):
+        whole, heads = got["whole"], [(0, 2), (2, 3)][rank]
+        for order, (by_heads, back) in got["results"].items():
+            assert torch.equal(by_heads, whole[:, heads[0]:heads[1]]), order
+            assert torch.equal(back, got["mine"]), order
+        assert got["joined_without_copy"]
+
+
+def test_a_piece_split_off_the_outermost_dim_is_sent_without_a_copy():
+    """The send buffer of a value split along its outermost non-unit dim is the value's own memory."""
+    whole = torch.randn(1, 5, 3, 4)
+    assert collectives._flat_concatenation(whole.split([3, 2], dim=1), whole, 1).data_ptr() == whole.data_ptr()
+    for sizes in ([2, 1], [1, 1, 1]):  # along an inner dim: a copy, in the pieces' order (stacked when even)
+        pieces = whole.split(sizes, dim=2)
+        assert torch.equal(collectives._flat_concatenation(pieces, whole, 2),
+                           torch.cat([piece.reshape(-1) for piece in pieces]))

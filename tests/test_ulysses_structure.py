@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from partitioner.passes.insert_collectives import memory_order
 from partitioner.runtime import collectives
 from partitioner.placement import shard_sizes
 from partitioner.testing import FULL_H3_ROWS, fake_mesh, full_h3_on_meta
@@ -91,3 +92,15 @@ def test_tp_collectives_unchanged_and_sequence_sharded(planned):
                 "attn.to_out" in list(node.meta["nn_module_stack"].values())[-1][0] and \
                 "transformer_blocks" in list(node.meta["nn_module_stack"].values())[-1][0]:
             assert node.meta["val"].shape[1] == rows
+
+
+def test_exchanges_travel_in_the_layout_the_ranks_device_makes(planned):
+    """Every exchange sends [batch, rows, heads, dim]: the query, key and value arrive joined along their rows with
+    no copy, and the attention's output, which CPU's fused kernel writes in that layout, leaves split by rows with no
+    copy. The model was traced on the meta device, whose attention writes [batch, heads, rows, dim] (the negative
+    control: its traced layout alone would send the output in logical order, a copy on each side)."""
+    _, _, exchanges, _ = planned
+    assert {tuple(n.args[6]) for n in exchanges} == {(0, 2, 1, 3)}
+    outputs = [n for n in exchanges if n.args[0].target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(outputs) == BLOCKS + 2
+    assert all(memory_order(n.args[0].meta["val"].stride()) is None for n in outputs)

@@ -60,31 +60,56 @@ def _received_shapes(shape: list[int], scatter_dim: int, gather_dim: int, scatte
     return shapes
 
 
+def _flat_concatenation(pieces: list[torch.Tensor], whole: torch.Tensor, dim: int) -> torch.Tensor:
+    """The pieces of ``whole`` along ``dim``, flattened end to end: ``whole`` itself, flattened, where only unit dims
+    precede ``dim`` (each piece is then a run of its memory, in order: no copy); else a copy."""
+    if all(size == 1 for size in whole.shape[:dim]):
+        return whole.reshape(-1)
+    if len({piece.shape for piece in pieces}) == 1:  # stacked: each piece copied over its own dims
+        return torch.stack(pieces).reshape(-1)
+    return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
 def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
-                     gather_sizes: list[int], index: int, group_name: str) -> torch.Tensor:
+                     gather_sizes: list[int], index: int, order: list[int] | None, group_name: str) -> torch.Tensor:
     """Issue the move of ``x``'s sharding from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
 
     This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
     ``scatter_dim``; it sends rank j its ``scatter_sizes[j]`` rows of ``scatter_dim`` and receives from rank i
-    ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened, so uneven sizes on both dims work; the
-    received pieces, end to end, are in flight until ``all_to_all_wait``."""
+    ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened with their dims in ``order`` (a permutation,
+    the same on every rank: the value's memory order, so a piece split off its outermost dim travels without a
+    copy), so uneven sizes on both dims work; the received pieces, end to end, are in flight until
+    ``all_to_all_wait``."""
+    order = order or list(range(x.dim()))
+    x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)
     pieces = x.split(scatter_sizes, dim=scatter_dim)
-    send = torch.cat([piece.reshape(-1) for piece in pieces])
     shapes = _received_shapes(list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
-    return functional.all_to_all_single(send, [math.prod(s) for s in shapes], [piece.numel() for piece in pieces],
-                                        group_name)
+    return functional.all_to_all_single(_flat_concatenation(pieces, x, scatter_dim), [math.prod(s) for s in shapes],
+                                        [piece.numel() for piece in pieces], group_name)
 
 
 def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, gather_dim: int,
-                    scatter_sizes: list[int], gather_sizes: list[int], index: int) -> torch.Tensor:
+                    scatter_sizes: list[int], gather_sizes: list[int], index: int, order: list[int] | None
+                    ) -> torch.Tensor:
     """Wait for an issued ``all_to_all`` of a value of ``shape`` (this rank's) and join the pieces along
-    ``gather_dim``."""
+    ``gather_dim`` (in ``order``, as they were sent, then put back in the value's order: a view)."""
+    order = order or list(range(len(shape)))
+    shape = [shape[dim] for dim in order]
+    scatter_dim, gather_dim = order.index(scatter_dim), order.index(gather_dim)
     shapes = _received_shapes(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
-    parts = functional.wait_tensor(issued).split([math.prod(s) for s in shapes])
-    return torch.cat([part.view(piece) for part, piece in zip(parts, shapes)], dim=gather_dim)
+    received = functional.wait_tensor(issued)
+    joined = list(shapes[0])
+    joined[gather_dim] = sum(piece[gather_dim] for piece in shapes)
+    if all(size == 1 for size in joined[:gather_dim]):  # the pieces, end to end, are the joined value already
+        joined = received.view(joined)
+    else:
+        parts = received.split([math.prod(s) for s in shapes])
+        joined = torch.cat([part.view(piece) for part, piece in zip(parts, shapes)], dim=gather_dim)
+    return joined.permute([order.index(dim) for dim in range(len(order))])
 
 
-# What issues a collective of this package's (it holds what it sends, a copy of its input, until the wait)
+# What issues a collective of this package's (it holds what it sends, a copy of its input or the input itself,
+# until the wait)
 STARTS = (all_gather_start, reduce_scatter_start, all_to_all_start)
 # What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
 # buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's joined pieces
