@@ -28,6 +28,7 @@ from .planning.plan_view import write_html
 from .planning.report import Report, build_report, collective_stats
 from .plans import Plan
 from .runtime.agreement import CallGuard, agree_on_plan, agree_on_staging, plan_lines
+from .runtime import collectives
 from .runtime.checkpoint import load_shards
 from .runtime.fingerprints import check_fingerprint
 from .runtime.program import input_names, place_graph_on
@@ -365,12 +366,17 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
 
 
 def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
-    """The plan ranks compare: the global graph with its placements and shapes, and how many chunks each
+    """The plan ranks compare: the global graph with its placements and shapes, how many chunks each
     row-parallel all_reduce is issued in (a profile file that differs between hosts would make ranks issue
-    different collectives); device indices left out (each rank has its own GPU)."""
+    different collectives) and the order each all_to_all sends its pieces in (read from the device's layout: ranks
+    whose devices lay a value out differently would read each other's pieces wrong, with no error); device indices
+    left out (each rank has its own GPU)."""
     device = re.compile(r"device\(type='(\w+)', index=\d+\)")
     chunks = [f"all_reduce of {path}: {how.split(' (')[0]}" for path, how in sorted(partitioned.ctx.chunked.items())]
-    return [device.sub(r"device(type='\1')", line) for line in plan_lines(partitioned.planned_graph, header)] + chunks
+    orders = [f"all_to_all of {node.args[0].name}: pieces in order {node.args[6]}"
+              for node in partitioned.graph_module.graph.nodes if node.target is collectives.all_to_all_start]
+    return [device.sub(r"device(type='\1')", line)
+            for line in plan_lines(partitioned.planned_graph, header)] + chunks + orders
 
 
 def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:

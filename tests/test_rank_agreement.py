@@ -92,14 +92,20 @@ def _plans_differ(rank, world, how: str):
     inputs = h3_inputs(TINY_H3, text=6 if rank == 1 and how == "shapes" else 5)
     plan = {"proj_in": "diagonal"} if rank == 1 and how == "failure" else None
     plan = {"transformer_blocks.*.attn.to_out.0": "replicate"} if rank == 1 and how == "options" else plan
-    return attempt(lambda: partition(model, _mesh((world,), ("tp",)), ((), inputs), plan=plan, timeout=TIMEOUT))
+    if how == "layouts" and rank == 1:  # this rank's device lays every value out contiguously (another kernel)
+        from partitioner.passes import insert_collectives
+
+        insert_collectives._strides_on_device = lambda node, _: torch.empty(node.meta["val"].shape).stride()
+    axis = "ulysses" if how == "layouts" else "tp"
+    return attempt(lambda: partition(model, _mesh((world,), (axis,)), ((), inputs), plan=plan, timeout=TIMEOUT))
 
 
-@pytest.mark.parametrize("how", ["shapes", "options"])
+@pytest.mark.parametrize("how", ["shapes", "options", "layouts"])
 def test_ranks_that_build_different_plans_refuse_together(how):
     for rank, (kind, message, seconds) in enumerate(run_ranks(2, _plans_differ, how)):
         assert kind == "RankDisagreement", (rank, kind, message)
         assert "rank(s) [1] differ from rank 0, first at decision" in message and "rank 1:" in message
+        assert how != "layouts" or "all_to_all of permute: pieces in order" in message  # (q's exchange, first)
         assert seconds < 60
 
 

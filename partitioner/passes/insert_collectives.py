@@ -22,6 +22,7 @@ New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -256,7 +257,9 @@ def _made_on(node: Node, device_type: str) -> tuple | None:
         with FakeTensorMode():
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), on_device)
             made = node.target(*args, **kwargs)
-    except Exception:  # (only the order an exchange sends its pieces in depends on it: every order is exact)
+    except Exception as error:  # (only the order an exchange sends its pieces in depends on it: every order is exact)
+        logging.getLogger("partitioner").debug("%s: no %s layout (%s); the traced one is used", node.name,
+                                               device_type, error)
         return None
     return made.stride() if isinstance(made, torch.Tensor) and made.shape == node.meta["val"].shape else None
 

@@ -129,12 +129,15 @@ def aliases(node) -> bool:
     source = node.args[0] if node.args else None
     if node.op != "call_function" or not isinstance(source, torch.fx.Node):
         return False
-    from ..runtime.collectives import all_gather_wait, reduce_scatter_wait
+    from ..runtime.collectives import all_gather_wait, all_to_all_wait, joined_in_place, reduce_scatter_wait
 
     if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, reduce_scatter_wait):
         return True
     if node.target is all_gather_wait:  # (uneven pieces are trimmed into a new tensor)
         return len(set(node.args[2])) == 1
+    if node.target is all_to_all_wait:  # (pieces joined in place, or copied together)
+        _, shape, scatter_dim, gather_dim, scatter_sizes, _, index, order = node.args
+        return joined_in_place(shape, scatter_dim, gather_dim, scatter_sizes, index, order)
     if node.target in _COPY_WHEN_NEEDED:
         before, after = source.meta.get("val"), node.meta.get("val")
         return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
@@ -154,8 +157,8 @@ def nbytes(val) -> int:
 
 def held_bytes(node) -> int:
     """The bytes a node's value holds while it lives: the value, and for a collective issued by this package (its
-    ``*_start``) also the copy it sends, which the collective holds until it is waited on (the issuing node's last
-    use): overlapped exchanges hold their send buffers at once."""
+    ``*_start``) also what it sends (a copy of its input, or the input itself), which the collective holds until it
+    is waited on (the issuing node's last use): overlapped exchanges hold their send buffers at once."""
     from ..runtime import collectives as c
 
     held = nbytes(node.meta.get("val"))

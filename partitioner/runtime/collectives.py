@@ -94,13 +94,14 @@ def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, ga
     """Wait for an issued ``all_to_all`` of a value of ``shape`` (this rank's) and join the pieces along
     ``gather_dim`` (in ``order``, as they were sent, then put back in the value's order: a view)."""
     order = order or list(range(len(shape)))
+    in_place = joined_in_place(shape, scatter_dim, gather_dim, scatter_sizes, index, order)
     shape = [shape[dim] for dim in order]
     scatter_dim, gather_dim = order.index(scatter_dim), order.index(gather_dim)
     shapes = _received_shapes(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
     received = functional.wait_tensor(issued)
-    joined = list(shapes[0])
-    joined[gather_dim] = sum(piece[gather_dim] for piece in shapes)
-    if all(size == 1 for size in joined[:gather_dim]):  # the pieces, end to end, are the joined value already
+    if in_place:
+        joined = list(shapes[0])
+        joined[gather_dim] = sum(piece[gather_dim] for piece in shapes)
         joined = received.view(joined)
     else:
         parts = received.split([math.prod(s) for s in shapes])
@@ -108,11 +109,21 @@ def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, ga
     return joined.permute([order.index(dim) for dim in range(len(order))])
 
 
+def joined_in_place(shape: list[int], scatter_dim: int, gather_dim: int, scatter_sizes: list[int], index: int,
+                    order: list[int] | None) -> bool:
+    """Whether an all_to_all's received pieces, end to end, are already the joined value (``all_to_all_wait``
+    returns a view of them): only unit dims travel before the joined one (a batch of one, then the rows)."""
+    order = order or list(range(len(shape)))
+    sizes = {**dict(enumerate(shape)), scatter_dim: scatter_sizes[index]}  # (what this rank keeps of scatter_dim)
+    return all(sizes[dim] == 1 for dim in order[:order.index(gather_dim)])
+
+
 # What issues a collective of this package's (it holds what it sends, a copy of its input or the input itself,
 # until the wait)
 STARTS = (all_gather_start, reduce_scatter_start, all_to_all_start)
 # What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
-# buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's joined pieces
+# buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's pieces joined by a
+# copy (not ``joined_in_place``)
 WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait, all_to_all_wait)
 
 
