@@ -150,7 +150,7 @@ def _exchange_in_every_order(rank: int, world: int) -> dict:
         issued = collectives.all_to_all_start(by_heads, 2, 1, rows, heads, rank, order, group)
         back = collectives.all_to_all_wait(issued, list(by_heads.shape), 2, 1, rows, heads, rank, order)
         results[tuple(order)] = (by_heads, back)
-        # what the report counts as a view (no bytes of its own) is one exactly when the wait returns one
+        # joined_in_place says exactly when the wait returns a view of what arrived
         predicted = collectives.joined_in_place(list(mine.shape), 1, 2, heads, rank, order)
         views[tuple(order)] = (by_heads._base.dim() == 1, predicted)  # a view of the flat received buffer
     return dict(results=results, whole=whole, mine=mine, views=views)

@@ -129,15 +129,15 @@ def aliases(node) -> bool:
     source = node.args[0] if node.args else None
     if node.op != "call_function" or not isinstance(source, torch.fx.Node):
         return False
-    from ..runtime.collectives import all_gather_wait, all_to_all_wait, joined_in_place, reduce_scatter_wait
+    from ..runtime.collectives import all_gather_wait, reduce_scatter_wait
 
+    # (an all_to_all's wait is a value of its own, even where it joins the pieces in place: the received buffer then
+    # lives as long as the joined value, the same bytes, while what was sent is freed at the wait; as a view of the
+    # issuing node it would keep the send buffer alive too, and the schedule would overlap by that much more)
     if node.target in (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, reduce_scatter_wait):
         return True
     if node.target is all_gather_wait:  # (uneven pieces are trimmed into a new tensor)
         return len(set(node.args[2])) == 1
-    if node.target is all_to_all_wait:  # (pieces joined in place, or copied together)
-        _, shape, scatter_dim, gather_dim, scatter_sizes, _, index, order = node.args
-        return joined_in_place(shape, scatter_dim, gather_dim, scatter_sizes, index, order)
     if node.target in _COPY_WHEN_NEEDED:
         before, after = source.meta.get("val"), node.meta.get("val")
         return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype

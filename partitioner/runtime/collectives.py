@@ -123,7 +123,7 @@ def joined_in_place(shape: list[int], scatter_dim: int, gather_dim: int, scatter
 STARTS = (all_gather_start, reduce_scatter_start, all_to_all_start)
 # What waits for an issued collective (its first argument: the node that issued it); the result is a view of the
 # buffer the collective filled, but for an uneven all_gather's trimmed rows and an all_to_all's pieces joined by a
-# copy (not ``joined_in_place``)
+# copy (not ``joined_in_place``; the report counts every all_to_all wait as a value of its own: ``aliases``)
 WAITS = (functional.wait_tensor.default, all_gather_wait, reduce_scatter_wait, all_to_all_wait)
 
 
