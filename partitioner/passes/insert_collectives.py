@@ -34,6 +34,7 @@ from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, blo
 from ..rules import PartitionError
 from ..runtime import collectives
 from .context import PassContext
+from .regions import fake_metadata
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -222,11 +223,6 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     return exchange
 
 
-def _layout(arg: Node):
-    val = arg.meta.get("val")
-    return (tuple(val.shape), val.stride(), val.dtype) if isinstance(val, torch.Tensor) else None
-
-
 def _strides_on_device(node: Node, device_type: str) -> tuple:
     """``node``'s strides as the ranks' device lays its value out. A model traced on the meta device has the
     layouts of meta kernels: an attention's output contiguous in [batch, heads, rows, dim], which CPU's fused
@@ -236,7 +232,11 @@ def _strides_on_device(node: Node, device_type: str) -> tuple:
     val = node.meta["val"]
     if not val.is_meta or device_type == "meta" or node.op != "call_function":
         return val.stride()
-    key = (device_type, node.target, repr(torch.fx.node.map_arg((node.args, node.kwargs), _layout)))
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+    arguments = fake_metadata((*args, *kwargs.values()))
+    if arguments is None:  # a symbolic size: its strides say no order either
+        return val.stride()
+    key = (device_type, node.target, arguments, tuple(kwargs))
     if key not in _DEVICE_STRIDES:
         _DEVICE_STRIDES[key] = _made_on(node, device_type)
     return _DEVICE_STRIDES[key] or val.stride()
@@ -272,7 +272,7 @@ def memory_order(strides: tuple) -> list[int] | None:
     if not all(isinstance(stride, int) for stride in strides):
         return None
     order = sorted(range(len(strides)), key=lambda dim: -strides[dim])  # (stable: ties keep their logical order)
-    return None if order == sorted(order) else order
+    return None if order == list(range(len(order))) else order
 
 
 def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:

@@ -83,12 +83,12 @@ class _RepeatedBlockProp(FakeTensorProp):
         """A memoized op's fake result: recreated from the metadata of an earlier call with the same arguments'
         metadata (a fresh tensor of that shape, stride, dtype and device), else computed and remembered."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        arguments = _metadata((*args, *kwargs.values()))  # None where a size is symbolic: never memoized
+        arguments = fake_metadata((*args, *kwargs.values()))  # None where a size is symbolic: never memoized
         key = (n.target, arguments, tuple(kwargs))
         known = _METADATA_RESULTS.get(key) if arguments is not None else None
         if known is None:
             result = super().run_node(n)
-            meta = _metadata(result)
+            meta = fake_metadata(result)
             if arguments is not None and isinstance(result, torch.Tensor) and meta is not None and meta[2] == 0:
                 if len(_METADATA_RESULTS) >= _MEMO_LIMIT:
                     _METADATA_RESULTS.pop(next(iter(_METADATA_RESULTS)))
@@ -102,7 +102,7 @@ class _RepeatedBlockProp(FakeTensorProp):
 
     def _match(self, run: list[Node]) -> None:
         code, external = code_of(run)
-        inputs = tuple(_metadata(self.env[node]) for node in external)
+        inputs = tuple(fake_metadata(self.env[node]) for node in external)
         if None in inputs:
             return
         template = self.templates.setdefault((code, inputs), run)
@@ -122,14 +122,14 @@ def code_of(run: list[Node]) -> tuple[str, list[Node]]:
     return "\n".join(lines), list(external)
 
 
-def _metadata(value):
+def fake_metadata(value):
     """What a fake op's result depends on of an input: None when a size is symbolic."""
     if isinstance(value, torch.Tensor):
         if not all(isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset())):
             return None
         return tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device
     if isinstance(value, (tuple, list)):
-        items = tuple(_metadata(v) for v in value)
+        items = tuple(fake_metadata(v) for v in value)
         return None if None in items else items
     if isinstance(value, torch.SymInt):
         return None
@@ -141,4 +141,4 @@ def _static(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return False
-    return _metadata(node.meta.get("val")) is not None
+    return fake_metadata(node.meta.get("val")) is not None
