@@ -23,7 +23,7 @@ $(XLA_VENV)/.installed: pyproject.toml Makefile
 	$(XLA_PY) -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: demo demo-xla test test-fast
+.PHONY: demo demo-xla test test-fast test-wheel
 demo: $(VENV)/.installed
 	$(PY) examples/h3_tensor_parallel.py
 	$(PY) examples/h3_tp_ulysses.py
@@ -38,9 +38,14 @@ demo-xla: $(XLA_VENV)/.installed
 # TP x Ulysses, checkpoints, bad input, and the rank agreement (process groups, timeouts, tracebacks).
 COMPAT := tests/xla tests/test_tp_numerics.py tests/test_hoist_host.py tests/test_checkpoint.py \
 	tests/test_bad_input.py tests/test_rank_agreement.py
-test: $(VENV)/.installed $(XLA_VENV)/.installed
+test: $(VENV)/.installed $(XLA_VENV)/.installed test-wheel
 	$(PY) -m pytest -q tests --ignore=tests/xla
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) -m pytest -q $(COMPAT)
+
+# The package as a user installs it: the wheel in a fresh venv outside the checkout runs the README's example and the
+# command line (about a minute).
+test-wheel: $(VENV)/.installed
+	bash tests/wheel/smoke.sh $(PYTHON) "$(TORCH_SPEC)"
 
 # The edit loop: the tests not marked slow (tests/conftest.py), every file represented: 6 minutes on 2 cores.
 test-fast: $(VENV)/.installed

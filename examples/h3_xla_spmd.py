@@ -36,7 +36,7 @@ def main() -> None:
         expected = model(**inputs)
     with warnings.catch_warnings(record=True):  # XLA's equal tiles keep the text refiner whole: printed below
         warnings.simplefilter("always", partitioner.PartitionWarning)
-        partitioned = partitioner.partition(model, mesh, ((), inputs))
+        partitioned = partitioner.partition(model, mesh, ((), inputs), programs="global")
     compiled = partitioned.compile(backend="xla")  # raises CollectiveMismatch if XLA's collectives differ
     actual = compiled(**inputs)
 

@@ -46,11 +46,14 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
               timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
-              input_fingerprint: str = "sample", method: str = "forward") -> Partitioned:
+              input_fingerprint: str = "sample", method: str = "forward", programs: str = "rank") -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
-    ``{"tp": 8}`` to plan without process groups (then ``rank`` picks which rank's program to build). ``plan``: overrides in diffusers'
+    ``{"tp": 8}`` to plan without process groups (then ``rank`` picks which rank's program to build: the program
+    rank ``rank`` of a mesh of those sizes runs). ``programs="global"`` (axis sizes only) plans XLA SPMD's one
+    program instead, for ``compile(backend="xla")``; XLA tiles equally, so some values stay whole there that rank
+    programs split. ``plan``: overrides in diffusers'
     ``_tp_plan`` key syntax, e.g. ``{"transformer_blocks.*.attn.to_q": "colwise"}``, or a whole ``Plan`` (from
     ``partitioner.plan``, possibly edited) applied as it is. ``dump_dir`` (or
     ``$PARTITIONER_DUMP``): write the graph after every pass. ``bounds``: upper bounds of data-dependent sizes
@@ -79,7 +82,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     """
     start = time.perf_counter()
     check_fingerprint(input_fingerprint)
-    spec, groups = mesh_with_groups(mesh, rank, timeout)
+    spec, groups = mesh_with_groups(mesh, rank, timeout, programs)
     buckets = parse_buckets(buckets)
 
     def partition_with(traced: Traced) -> Partitioned:
@@ -95,7 +98,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
-                   input_fingerprint=input_fingerprint, method=method)
+                   input_fingerprint=input_fingerprint, method=method, programs=programs)
     if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
         options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
     with method_as_forward(model, method):
@@ -150,10 +153,10 @@ def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def mesh_with_groups(mesh, rank: int, timeout: float):
+def mesh_with_groups(mesh, rank: int, timeout: float, programs: str = "rank"):
     """The mesh spec, and for a DeviceMesh the partition's own process groups (collectives bounded by ``timeout``),
     which the spec's group names then point at."""
-    spec = as_mesh_spec(mesh, rank)
+    spec = as_mesh_spec(mesh, rank, programs)
     groups = bounded_groups(spec.axis_names, spec.axis_sizes, timeout, spec.runnable)
     if groups is not None:
         spec = dataclasses.replace(spec, group_names=groups.axes)
@@ -162,12 +165,13 @@ def mesh_with_groups(mesh, rank: int, timeout: float):
 
 def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
          buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None,
-         method: str = "forward") -> Plan:
+         method: str = "forward", programs: str = "rank") -> Plan:
     """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
     planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
-    group) plans rank programs, axis sizes XLA's global program, exactly as ``partition`` does; no process group is
-    used or created, nothing is compared between ranks, and no weights are needed (a meta model plans as well)."""
-    spec, buckets = as_mesh_spec(mesh, rank), parse_buckets(buckets)
+    group) and axis sizes alike plan the rank programs a mesh of those sizes runs; ``programs="global"`` (axis
+    sizes) XLA's global program, exactly as ``partition`` does. No process group is used or created, nothing is
+    compared between ranks, and no weights are needed (a meta model plans as well)."""
+    spec, buckets = as_mesh_spec(mesh, rank, programs), parse_buckets(buckets)
     with method_as_forward(model, method):
         ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
             traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,

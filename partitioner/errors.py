@@ -8,10 +8,17 @@ input, dimension or degree at fault and end with what to do.
 from __future__ import annotations
 
 import contextlib
+import difflib
 
 
 class PartitionerError(Exception):
     """Base of every error raised on purpose by partitioner."""
+
+
+def did_you_mean(name: str, valid) -> str:
+    """``"; did you mean 'tp'?"`` for the valid names closest to a misspelt ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 class TraceError(PartitionerError, RuntimeError):

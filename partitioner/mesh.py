@@ -10,8 +10,9 @@ Two ways in:
 What a plan may ask of the collectives depends on who runs them (``MeshSpec.programs``): ``"rank"`` programs, one per
 rank, run this package's collectives (eager, Inductor, Neuron), which exchange packed and uneven layouts; a
 ``"global"`` program (XLA SPMD: one process drives every device) leaves the collectives to XLA's partitioner, which
-tiles every dim in equal pieces. A DeviceMesh plans rank programs; axis sizes plan the global program unless
-``programs="rank"`` is asked for (the planner, ``partitioner.plan`` on a DeviceMesh).
+tiles every dim in equal pieces. Both a DeviceMesh and axis sizes plan rank programs, so that a plan read from
+sizes is the plan the ranks of a mesh of those sizes run; the global program is asked for by name
+(``programs="global"``), for XLA.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from .errors import MeshError
+from .errors import MeshError, did_you_mean
 
 BATCH_AXES = ("dp", "cfg")  # data parallelism; "cfg" names it for classifier-free guidance's batch halves
 SEQUENCE_AXES = ("ring", "ulysses")  # sequence parallelism: ring attention, Ulysses all-to-all (innermost)
@@ -99,7 +100,8 @@ class MeshSpec:
 def _check_axis_names(names) -> None:
     for name in names:
         if name not in KNOWN_AXES:
-            raise MeshError(f"unknown mesh dim name {name!r}: use names from {list(KNOWN_AXES)}")
+            raise MeshError(f"unknown mesh dim name {name!r}{did_you_mean(name, KNOWN_AXES)}: use names from "
+                            f"{list(KNOWN_AXES)}")
     if len(set(names)) != len(names):
         raise MeshError(f"mesh dim names repeat: {list(names)}")
     if len([name for name in names if name in BATCH_AXES]) > 1:
@@ -119,13 +121,19 @@ def _check_contiguous_ulysses(spec: MeshSpec) -> MeshSpec:
     return spec
 
 
-def as_mesh_spec(mesh, rank: int = 0, programs: str | None = None) -> MeshSpec:
-    """Normalise a DeviceMesh or a mapping of axis sizes into a ``MeshSpec``; ``programs`` (``"rank"`` or
-    ``"global"``) overrides what the mesh's kind implies (rank programs for a DeviceMesh, the global program for
-    axis sizes)."""
+def as_mesh_spec(mesh, rank: int = 0, programs: str = "rank") -> MeshSpec:
+    """Normalise a DeviceMesh or a mapping of axis sizes into a ``MeshSpec`` planning ``programs``: ``"rank"``
+    (one per rank, the default) or ``"global"`` (XLA SPMD's one program, on axis sizes only)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if programs not in PROGRAMS:
+        raise MeshError(f"programs={programs!r}: use one of {list(PROGRAMS)} (\"global\" plans XLA SPMD's one "
+                        "program, on axis sizes)")
+
     if isinstance(mesh, DeviceMesh):
+        if programs != "rank":
+            raise MeshError("programs='global' plans XLA SPMD's one program, which a DeviceMesh's ranks do not run: "
+                            "pass the axis sizes instead, e.g. {'tp': 2}")
         names = mesh.mesh_dim_names
         if not names:
             raise MeshError(f"the DeviceMesh needs mesh_dim_names from {list(KNOWN_AXES)}, e.g. "
@@ -143,7 +151,6 @@ def as_mesh_spec(mesh, rank: int = 0, programs: str | None = None) -> MeshSpec:
             rank=torch.distributed.get_rank(),
             group_names={name: mesh.get_group(name).group_name for name in names},
             device_type=mesh.device_type,
-            programs=programs or "rank",
         ))
     if isinstance(mesh, Mapping):
         names = tuple(mesh)
@@ -161,5 +168,5 @@ def as_mesh_spec(mesh, rank: int = 0, programs: str | None = None) -> MeshSpec:
         if not 0 <= rank < world:
             raise MeshError(f"rank {rank} is outside the mesh {dict(mesh)} of {world} ranks")
         return _check_contiguous_ulysses(MeshSpec(axis_names=names, axis_sizes=sizes, rank=rank, group_names=None,
-                                                  programs=programs or "global"))
+                                                  programs=programs))
     raise MeshError(f"mesh must be a DeviceMesh or a mapping of axis sizes such as {{'tp': 2}}, got {type(mesh).__name__}")

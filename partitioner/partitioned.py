@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import backends
-from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
+from .errors import (BackendError, did_you_mean, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
                      PartitionError, VerificationError, our_step)
 from .frontend.padding import parse_buckets
 from .frontend.trace import Traced, copy_graph_module, trace
@@ -24,6 +24,7 @@ from .passes import PLAN, TO_RANK, run_passes
 from .passes.context import Overlap, PassContext
 from .passes.runner import collector_skips_what_exists
 from .planning.dump import Dumper
+from .progress import bar
 from .planning.plan_view import write_html
 from .planning.report import Report, build_report, collective_stats
 from .plans import Plan
@@ -203,8 +204,8 @@ class Partitioned:
         style = self.ctx.linear_styles.get(module_path)
         if style is None:
             known = sorted([*self.ctx.linear_styles, *self.ctx.sequence_attention])
-            raise NotFound(f"no Linear or attention module at {module_path!r}; known modules look like "
-                                   f"{known[:3]}")
+            raise NotFound(f"no Linear or attention module at {module_path!r}{did_you_mean(module_path, known)}; "
+                           f"known modules look like {known[:3]}")
         reason = self.ctx.replicated_because.get(module_path)
         chunked = self.ctx.chunked.get(module_path)
         scattered = self.ctx.reduce_scattered.get(module_path)
@@ -267,8 +268,8 @@ class Partitioned:
         if chosen.takes == "global":
             if self.mesh.per_rank:
                 raise BackendError(f"{backend!r} runs one global program (XLA SPMD), and this partition was planned for "
-                                   "rank programs (a DeviceMesh, or programs='rank'); partition with the mesh as axis "
-                                   f"sizes, e.g. partition(model, {self.mesh.sizes}, example_inputs)")
+                                   "rank programs; partition for XLA's program by name: partition(model, "
+                                   f"{self.mesh.sizes}, example_inputs, programs='global')")
             self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
             with our_step(f"lowering to backend {backend!r}", BackendError):
                 return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),
@@ -331,7 +332,9 @@ def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, 
     (``value_specialization``), if it has any and the first trace was not."""
     with collector_skips_what_exists():
         start = time.perf_counter()
-        traced = trace(model, example_inputs, specialize_values=specialize_values)
+        with bar(desc=f"tracing {type(model).__name__} (torch.export)", total=1, unit="trace") as progress:
+            traced = trace(model, example_inputs, specialize_values=specialize_values)
+            progress.update()
         traced_s = time.perf_counter() - start
         try:
             partitioned = partition_with(traced)
@@ -394,8 +397,8 @@ def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
         raise InputError(f"backend_checks={backend_checks!r}: {usage}; {name!r} takes the options "
                          f"{list(backend.options)}")
     checked = backend.check(partitioned.graph_module, partitioned.mesh, **options)
-    Dumper(dump_dir, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)(f"{name}_legalize", checked,
-                                                                            partitioned.ctx)
+    dump = Dumper(dump_dir, partitioned.mesh.rank, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)
+    dump(f"{name}_legalize", checked, partitioned.ctx)
 
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
@@ -444,7 +447,7 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
         ctx.bounds = {**plan.bounds, **ctx.bounds}
     else:
         ctx.plan = dict(plan or {})
-    dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"))
+    dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"), mesh.rank)
     gm = traced.graph_module
     dump("export", gm, ctx)
     return ctx, run_passes(gm, ctx, PLAN, dump), dump

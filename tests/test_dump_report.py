@@ -25,7 +25,7 @@ def model():
 def dumped(model, tmp_path_factory):
     """A tp=2 partition of tiny H3 and the directory its passes were dumped to."""
     directory = tmp_path_factory.mktemp("dump")
-    return partition(model, {"tp": TP}, ((), h3_inputs(TINY_H3)), dump_dir=directory), directory
+    return partition(model, {"tp": TP}, ((), h3_inputs(TINY_H3)), dump_dir=directory), directory / "rank0"
 
 
 def _rowwise(partitioned) -> list[str]:
@@ -45,6 +45,29 @@ def test_dump_files_exist(dumped):
     """Every pass writes its code, summary and (after the first) diff."""
     _expect_files(dumped[1])
     assert not (dumped[1] / "00_export.diff").exists()
+
+
+def test_dump_index_lists_the_passes_in_order(dumped):
+    lines = (dumped[1] / "index.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == PASSES
+    assert "collectives: none" in lines[0] and "all_reduce[tp]" in lines[-1]
+
+
+def test_dumps_are_one_folder_per_rank_and_stable_between_runs(model, tmp_path):
+    """Two runs of one rank dump identical text (no addresses, times or counters that move: ``diff -r`` is empty);
+    two ranks of an uneven split dump into their own folders, whose programs differ where their shards do."""
+    inputs = ((), h3_inputs(TINY_H3))
+    for run in ("a", "b"):
+        partition(model, {"tp": 3}, inputs, dump_dir=tmp_path / run)
+    partition(model, {"tp": 3}, inputs, dump_dir=tmp_path / "a", rank=2)
+    first, second = tmp_path / "a" / "rank0", tmp_path / "b" / "rank0"
+    files = sorted(path.name for path in first.iterdir())
+    assert files == sorted(path.name for path in second.iterdir()) and "plan.html" in files
+    changed = [name for name in files if (first / name).read_bytes() != (second / name).read_bytes()]
+    assert changed == []
+    assert re.search(r"0x[0-9a-f]{6,}", "".join((first / name).read_text() for name in files)) is None
+    last = "15_schedule_collectives.py"
+    assert (first / last).read_text() != (tmp_path / "a" / "rank2" / last).read_text()  # 4 heads: 2 + 1 + 1
 
 
 def test_plan_sharding_dump_has_placements(dumped):
@@ -89,7 +112,7 @@ def test_partitioner_dump_environment_variable(model, tmp_path, monkeypatch):
     """$PARTITIONER_DUMP dumps like dump_dir."""
     monkeypatch.setenv("PARTITIONER_DUMP", str(tmp_path / "env"))
     partition(model, {"tp": TP}, ((), h3_inputs(TINY_H3)))
-    _expect_files(tmp_path / "env")
+    _expect_files(tmp_path / "env" / "rank0")
 
 
 def test_no_dump_without_dump_dir(model, tmp_path, monkeypatch):

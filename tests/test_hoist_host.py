@@ -70,9 +70,9 @@ def test_device_graph_is_static_and_fed_by_explicit_transfers(planned):
 def test_dumps_show_prologue_and_device_graph(tmp_path):
     partitioner.partition(H3DenoiseStep(tiny_h3()), {"tp": 2}, ((), denoise_inputs(TINY_H3, STEPS[4])),
                           dump_dir=tmp_path)
-    prologue = (tmp_path / "01_hoist_host.prologue.py").read_text()
+    prologue = (tmp_path / "rank0" / "01_hoist_host.prologue.py").read_text()
     assert "_unique2" in prologue and "index_put" in prologue
-    assert "_unique2" not in (tmp_path / "01_hoist_host.py").read_text()
+    assert "_unique2" not in (tmp_path / "rank0" / "01_hoist_host.py").read_text()
 
 
 def _over_bound(rank: int, world: int) -> str:

@@ -381,6 +381,7 @@ def test_offline_checks_with_padding_and_dump(tmp_path, every_attention_large):
         partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks="neuron")
     partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks={"neuron": {"pad_sequence": True}},
                           dump_dir=tmp_path)
+    tmp_path = tmp_path / "rank0"
     code, diff = (tmp_path / "16_neuron_legalize.py").read_text(), (tmp_path / "16_neuron_legalize.diff").read_text()
     assert "aten.constant_pad_nd" in code and "aten.index_put" in code and 'video_indices: "i32[12]"' in code
     assert "+++ 16_neuron_legalize" in diff and (tmp_path / "15_schedule_collectives.py").exists()

@@ -266,7 +266,7 @@ def test_bad_arguments_are_clear(tiny_config):
     result = run_cli("--config", str(tiny_config), "--mesh", "pp=2", "--seq-len", "64", check=False)
     assert result.returncode == 2 and "unknown mesh dim names ['pp']" in result.stderr
     result = run_cli("--config", str(tiny_config / "absent.json"), "--seq-len", "64", check=False)
-    assert result.returncode == 2 and "neither a known model" in result.stderr
+    assert result.returncode == 2 and "is neither a JSON file" in result.stderr
 
 
 def test_parse_bytes():

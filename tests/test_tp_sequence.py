@@ -167,18 +167,15 @@ def test_with_ulysses_tp_rows_nest_inside_its_shards(free_links):
 
 
 def test_xla_global_program_keeps_rows_whole_and_rank_programs_on_axis_sizes_do_not(free_links):
-    """Axis sizes plan XLA's global program by default: the plan XLA is handed is unchanged. The planner plans rank
-    programs on axis sizes (``programs="rank"``), as a DeviceMesh partition would: rows sharded where it pays."""
+    """XLA's global program, asked for by name, keeps the plan XLA is handed unchanged; axis sizes plan rank
+    programs, as a DeviceMesh partition would: rows sharded where it pays."""
     import partitioner
-    from partitioner.api import partition_traced
-    from partitioner.mesh import as_mesh_spec
-    from partitioner.frontend.trace import trace
 
     model, inputs = tiny_h3(), h3_inputs(TINY_H3, **ROWS)
-    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), overlap={"profile": free_links})
+    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), overlap={"profile": free_links},
+                                        programs="global")
     assert "XLA's global program" in partitioned.ctx.tp_sequence
-    ranked = partition_traced(trace(model, ((), inputs)), as_mesh_spec({"tp": 2}, programs="rank"), "h3",
-                              overlap={"profile": free_links})
+    ranked = partitioner.partition(model, {"tp": 2}, ((), inputs), overlap={"profile": free_links})
     assert ranked.ctx.tp_sequence.startswith("rows sharded over tp"), ranked.ctx.tp_sequence
 
 

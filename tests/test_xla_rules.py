@@ -11,6 +11,7 @@ import torch
 
 import partitioner
 from partitioner.backends.xla import XlaBackendError, axis_of, compare, hlo_collectives, packed_spec, partition_spec
+from partitioner.errors import MeshError
 from partitioner.mesh import as_mesh_spec
 from partitioner.placement import PackedShard, Partial, Replicate, Shard
 from partitioner.testing import TINY_H3, fake_mesh, h3_inputs, tiny_h3
@@ -77,7 +78,7 @@ def test_comparison_names_what_differs():
 
 def test_xla_backend_needs_torch_xla(monkeypatch):
     model, inputs = tiny_h3(), h3_inputs(TINY_H3)
-    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs))
+    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), programs="global")
     monkeypatch.setitem(sys.modules, "torch_xla", None)  # as where torch_xla is not installed
     with pytest.raises(XlaBackendError, match=r"needs torch_xla.*torch==2\.9\.0"):
         partitioned.compile(backend="xla")
@@ -89,14 +90,32 @@ def test_xla_backend_needs_a_mesh_of_axis_sizes():
         partitioned = partitioner.partition(model, mesh, ((), inputs))
     assert partitioned.global_state is None  # a rank keeps only its shards
     with pytest.raises(RuntimeError, match=r"one global program \(XLA SPMD\).*planned for rank programs.*"
-                       r"partition with the mesh as axis sizes.*\{'tp': 2\}"):
+                       r"partition\(model, \{'tp': 2\}, example_inputs, programs='global'\)"):
         partitioned.compile(backend="xla")
+
+
+def test_axis_sizes_plan_what_a_mesh_of_those_sizes_runs_and_xla_is_asked_for_by_name():
+    """Sizes plan the rank programs a DeviceMesh of the same sizes runs (a plan read from sizes is the one run);
+    XLA's global program only by name, and a DeviceMesh cannot plan it."""
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    sized = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs))
+    assert sized.mesh.per_rank
+    with pytest.raises(RuntimeError, match=r"programs='global'"):
+        sized.compile(backend="xla")
+    with fake_mesh((2, 2), ("tp", "ulysses"), 0) as mesh:
+        meshed = partitioner.plan(model, mesh, ((), inputs))
+        with pytest.raises(MeshError, match="pass the axis sizes instead"):
+            partitioner.plan(model, mesh, ((), inputs), programs="global")
+    assert partitioner.plan(model, {"tp": 2, "ulysses": 2}, ((), inputs)).fingerprint == meshed.fingerprint
+    assert not partitioner.partition(model, {"tp": 2}, ((), inputs), programs="global").mesh.per_rank
+    with pytest.raises(MeshError, match=r"programs='spmd'.*\['rank', 'global'\]"):
+        partitioner.plan(model, {"tp": 2}, ((), inputs), programs="spmd")
 
 
 def test_planned_graph_is_the_global_plan_and_independent_of_the_rank_graph():
     """The plan is kept before insert_collectives: global shapes, placements on every value, no collective; and
     its requirements point at its own nodes."""
-    partitioned = partitioner.partition(tiny_h3(), {"tp": 2, "ulysses": 2}, ((), h3_inputs(TINY_H3)))
+    partitioned = partitioner.partition(tiny_h3(), {"tp": 2, "ulysses": 2}, ((), h3_inputs(TINY_H3)), programs="global")
     planned = partitioned.planned_graph
     nodes = set(planned.graph.nodes)
     assert not nodes & set(partitioned.graph_module.graph.nodes)

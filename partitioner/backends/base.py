@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import InputError, InvariantError, NotFound
+from ..errors import InputError, InvariantError, NotFound, did_you_mean
 
 TAKES = ("rank", "global")
 
@@ -50,7 +50,7 @@ def register(backend: Backend) -> Backend:
 
 def get(name: str) -> Backend:
     if name not in BACKENDS:
-        raise NotFound(f"unknown backend {name!r}; available: {sorted(BACKENDS)}")
+        raise NotFound(f"unknown backend {name!r}{did_you_mean(name, BACKENDS)}; available: {sorted(BACKENDS)}")
     return BACKENDS[name]
 
 

@@ -22,6 +22,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..errors import BackendError, our_step
 from ..passes.regions import repeated_block, runs_of_blocks
+from ..progress import bar
 from .base import Backend, register
 
 
@@ -84,11 +85,15 @@ class _Interpreter(torch.fx.Interpreter):
         self.compiled: dict[str, object] = {}
         self.eager = set() if compile_glue else {n.target for n in split.graph.nodes
                                                   if n.op == "call_module" and n.target not in blocks}
+        self.progress = None  # a bar over the regions to compile, shown during the first call
 
     def call_module(self, target, args, kwargs):
         if target in self.eager:
             return super().call_module(target, args, kwargs)
         if target not in self.compiled:
+            if self.progress is None:
+                pending = [n for n in self.module.graph.nodes if n.op == "call_module" and n.target not in self.eager]
+                self.progress = bar(desc="compiling (inductor)", total=len(pending), unit="region")
             submodule = self.fetch_attr(target)
             key = _structure_key(submodule, args)
             if key not in self.by_key:
@@ -97,6 +102,9 @@ class _Interpreter(torch.fx.Interpreter):
                 self.stats.compilations += 1
             self.stats.reused[key] = self.stats.reused.get(key, 0) + 1
             self.compiled[target] = self.by_key[key]
+            self.progress.update()
+            if self.progress.n == self.progress.total:
+                self.progress.close()
         return self.compiled[target](*args)
 
 

@@ -62,7 +62,11 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     from ..api import build_agreed, mesh_with_groups, partition_traced
     from ..runtime.preflight import Preflight
 
-    mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT))
+    from .. import backends
+
+    # the inner backend names the program: XLA's one global program, or one per rank
+    programs = backends.get(options.get("backend", "eager")).takes
+    mesh, groups = mesh_with_groups(options["mesh"], 0, options.get("timeout", DEFAULT_TIMEOUT), programs)
     dynamo_inputs = _graph_inputs(gm, example_inputs)
     build = functools.partial(_partition, gm, example_inputs, dynamo_inputs, mesh, options, partition_traced)
     partitioned = build_agreed(build, mesh, groups, {"plan": options.get("plan"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from ..errors import InvariantError, PartitionError
+from ..errors import InvariantError, PartitionError, did_you_mean
 from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
 from ..rules.core import with_dim
@@ -69,11 +69,13 @@ def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node,
     forced = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise PartitionError(f"plan entry {pattern!r}: unknown style {style!r}; use one of {list(STYLES)}")
+            raise PartitionError(f"plan entry {pattern!r}: unknown style {style!r}{did_you_mean(style, STYLES)}; use "
+                                 f"one of {list(STYLES)}")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"$")
         matched = [node for node, path in paths.items() if regex.match(path)]
         if not matched:
-            raise PartitionError(f"plan entry {pattern!r} matches no Linear module; linear modules look like "
+            raise PartitionError(f"plan entry {pattern!r} matches no Linear module"
+                                 f"{did_you_mean(pattern, set(paths.values()))}; linear modules look like "
                                  f"{sorted(paths.values())[:3]}")
         for node in matched:
             forced[node] = style

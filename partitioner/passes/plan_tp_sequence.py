@@ -26,7 +26,7 @@ How:
 
 With a sequence axis (ulysses, ring) the rows are already split over it, and tp's row shard nests inside each of
 its shards (``InnerShard``): gathering over tp then gives back what the sequence axis holds. Not in a plan for XLA's
-global program (a mesh of axis sizes): the XLA backend, which reads these placements, lets XLA place its own
+global program (programs="global"): the XLA backend, which reads these placements, lets XLA place its own
 collectives.
 """
 
@@ -261,7 +261,7 @@ def _skipped(ctx: PassContext) -> str | None:
     if not ctx.overlap.tp_sequence:
         return "switched off (overlap={'tp_sequence': False})"
     if not ctx.mesh.per_rank:
-        return "not for XLA's global program (a mesh of axis sizes): XLA places its own collectives"
+        return "not for XLA's global program (programs='global'): XLA places its own collectives"
     return None
 
 

@@ -19,12 +19,15 @@ import time
 from torch.fx import GraphModule
 
 from ..errors import InvariantError, our_step
+from ..progress import bar
 
 log = logging.getLogger("partitioner")
 
 
 def run_passes(gm: GraphModule, ctx, passes, dump) -> GraphModule:
-    for step in passes:
+    progress = bar(passes, desc="partitioning", unit="pass")
+    for step in progress:
+        progress.set_postfix_str(step.name, refresh=False)
         missing = [name for name in step.requires if name not in ctx.pass_seconds]
         if missing:
             raise InvariantError(f"pass {step.name} requires {missing} to have run first")

@@ -1,6 +1,9 @@
 """Pass-by-pass dumps: the graph as readable code with placements, a summary, and a diff against the pass before.
 
-Files, numbered in pass order (``00_export`` is the traced graph):
+One folder per rank (``DIR/rank<N>``: rank programs differ), its files numbered in pass order (``00_export`` is the
+traced graph); the text is stable between runs (no addresses, no times), so ``diff -r`` between two runs or two
+ranks shows only real differences:
+    index.txt           the passes in order, with each graph's node count and collectives
     NN_<pass>.py        the graph's code; each line ends with ``# tp=S(2)``-style placements where planned
     NN_<pass>.txt       node count, collectives by kind, per-rank parameter bytes
     NN_<pass>.diff      unified diff of the code against the previous pass
@@ -60,17 +63,22 @@ def summary(gm: GraphModule, ctx: PassContext) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Dumper:
-    """Writes one set of files per pass into ``directory``; does nothing when ``directory`` is None. ``index`` and
-    ``previous`` continue an earlier dump (a backend's legalisation after the passes): the next files' number, and
-    the graph they are diffed against."""
+INDEX = "index.txt"
 
-    def __init__(self, directory: str | Path | None, index: int = 0, previous: GraphModule | None = None):
-        self.directory = Path(directory) if directory else None
+
+class Dumper:
+    """Writes one set of files per pass into ``dump_dir/rank<rank>``; does nothing when ``dump_dir`` is None.
+    ``index`` and ``previous`` continue an earlier dump (a backend's legalisation after the passes): the next files'
+    number, and the graph they are diffed against."""
+
+    def __init__(self, dump_dir: str | Path | None, rank: int, index: int = 0, previous: GraphModule | None = None):
+        self.directory = Path(dump_dir) / f"rank{rank}" if dump_dir else None
         self.previous = graph_code(previous) if previous is not None and self.directory else ""
         self.index = index
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
+            if index == 0:  # a new dump: no stale passes of an earlier run listed
+                (self.directory / INDEX).write_text("")
 
     def __call__(self, name: str, gm: GraphModule, ctx: PassContext, extra: dict | None = None) -> None:
         """``extra``: further graphs of this pass (the host prologue), written as ``NN_<pass>.<key>.py``."""
@@ -79,9 +87,11 @@ class Dumper:
         stem = self.directory / f"{self.index:02d}_{name}"
         for key, graph in (extra or {}).items():
             (self.directory / f"{stem.name}.{key}.py").write_text(graph_code(graph))
-        code = graph_code(gm)
+        code, counts = graph_code(gm), summary(gm, ctx)
         stem.with_suffix(".py").write_text(code)
-        stem.with_suffix(".txt").write_text(summary(gm, ctx))
+        stem.with_suffix(".txt").write_text(counts)
+        with open(self.directory / INDEX, "a") as index:
+            index.write(f"{stem.name}: " + "; ".join(counts.splitlines()[:2]) + "\n")
         if self.index:
             diff = difflib.unified_diff(self.previous.splitlines(keepends=True), code.splitlines(keepends=True),
                                         fromfile="previous", tofile=f"{self.index:02d}_{name}")

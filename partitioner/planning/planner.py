@@ -11,7 +11,6 @@ NeuronCore of a trn2 host.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +18,15 @@ import torch
 
 from ..api import partition_traced
 from ..errors import InputError, InvariantError, PartitionError
+from ..frontend.model_source import ALIASES as MODELS
+from ..frontend.model_source import apply_dtype, build_model  # noqa: F401  (apply_dtype: for existing callers)
+from ..frontend.pipeline_inputs import h3_inputs
 from ..frontend.trace import copy_graph_module
 from ..mesh import as_mesh_spec
 from ..passes.context import Overlap
+from ..progress import bar, inner_steps_quiet
 from . import cost, extrapolate
 
-MODELS = {"minimax-h3": "MiniMaxH3Transformer3DModel"}
 DEFAULT_PROFILE = "trn2"
 
 
@@ -107,42 +109,18 @@ def parse_bytes(text: str) -> int:
     return int(float(number))
 
 
-def apply_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast to ``dtype`` except what the model keeps in float32 (diffusers' ``_keep_in_fp32_modules``, matched as
-    substrings of tensor names, as diffusers does), e.g. H3's patch projections, timestep MLP and output heads."""
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point():
-            tensor.data = tensor.data.to(torch.float32 if any(p in name for p in keep) else dtype)
-    return model
-
-
 def build_meta_model(model: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A model by name (``minimax-h3``: the full 33B configuration) or from a diffusers config.json (or the folder
-    holding it), on the meta device (``partition`` computes the non-persistent buffers it needs)."""
-    import diffusers
-
-    if model in MODELS:
-        cls, config = getattr(diffusers, MODELS[model]), None
-    else:
-        path = Path(model)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.exists():
-            raise InputError(f"{model!r} is neither a known model ({sorted(MODELS)}) nor a config file")
-        config = json.loads(path.read_text())
-        cls = getattr(diffusers, config.get("_class_name", ""), None)
-        if cls is None:
-            raise InputError(f"{path}: '_class_name' {config.get('_class_name')!r} is not a diffusers model class")
-    with torch.device("meta"):
-        built = cls() if config is None else cls.from_config(config)
-    return apply_dtype(built.eval(), dtype)
+    """A model by name (``minimax-h3``: the full 33B configuration; or a diffusers class name, at its defaults) or
+    from a diffusers config.json (or the folder holding it), on the meta device (``partition`` computes the
+    non-persistent buffers it needs)."""
+    if model in MODELS or not ("/" in model or model.endswith(".json") or Path(model).exists()):
+        return build_model(model, dtype=dtype)
+    return build_model(None, [model], dtype=dtype)
 
 
 def example_inputs(model: torch.nn.Module, seq_len: int, dtype: torch.dtype = torch.bfloat16):
     """Meta inputs of one packed request of ``seq_len`` rows. For MiniMax-H3: 512 text rows (fewer for short
     sequences), 1/74 of the rows audio, the rest video, two distinct timesteps."""
-    from ..testing import h3_inputs
-
     if type(model).__name__ != "MiniMaxH3Transformer3DModel":
         raise InputError(f"no input layout is known for {type(model).__name__}; use the Python API with your own "
                          "example_inputs")
@@ -156,7 +134,7 @@ def partition_layout(traced, model_name: str, tp: int, ulysses: int, ring: int =
                      profile: cost.DeviceProfile | None = None):
     """A copy of ``traced`` partitioned for rank 0 of a (tp, ring, ulysses) mesh (Ulysses innermost), its
     communication overlapped as ``profile``'s costs say (the one the layout is costed on)."""
-    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0, programs="rank")
+    mesh = as_mesh_spec({"tp": tp, "ring": ring, "ulysses": ulysses}, rank=0)
     return partition_traced(dataclasses.replace(traced, graph_module=copy_graph_module(traced.graph_module)), mesh,
                             model_name, overlap=Overlap(profile=profile or DEFAULT_PROFILE))
 
@@ -221,6 +199,11 @@ def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | 
     The layouts of one rank count are costed side by side in ``workers`` forked processes (default: the cores
     this process may use; one where other threads run, which a fork would not carry)."""
     profile = profile or cost.load_profile(DEFAULT_PROFILE)
+    with inner_steps_quiet():
+        return _search(traced, model_name, devices, profile, device_memory, ring, exhaustive, workers)
+
+
+def _search(traced, model_name, devices, profile, device_memory, ring, exhaustive, workers) -> list[LayoutEstimate]:
     job = _SearchJob(None if exhaustive else _cuts(traced), traced, model_name, devices, profile, device_memory)
     unsplit = job.cost((1, 1, 1))
     found, best = [unsplit], _better(None, unsplit)
@@ -228,6 +211,9 @@ def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | 
     for layout in layouts(devices, ring):
         if layout != (1, 1, 1):
             by_ranks.setdefault(layout[0] * layout[1] * layout[2], []).append(layout)
+    with inner_steps_quiet(False):
+        progress = bar(desc=f"searching layouts of {devices} devices", total=sum(map(len, by_ranks.values())),
+                       unit="layout")
     for ranks in sorted(by_ranks, reverse=True):
         bound = unsplit.compute_s / ranks if not unsplit.error else 0.0
         if not exhaustive and best is not None and bound > best.step_s:
@@ -235,10 +221,13 @@ def search(traced, model_name: str, devices: int, profile: cost.DeviceProfile | 
                    f"than {best.layout}'s {best.step_s * 1e3:.1f} ms")
             found += [LayoutEstimate(tp, u, devices // ranks, compute_s=bound, device_memory=device_memory, ring=r,
                                      profile=profile.name, pruned=why) for tp, r, u in by_ranks[ranks]]
+            progress.update(len(by_ranks[ranks]))
             continue
         for estimated in _map(job.cost, by_ranks[ranks], workers):
             found.append(estimated)
             best = _better(best, estimated)
+            progress.update()
+    progress.close()
     return sorted(found, key=lambda e: (e.error is not None, e.pruned is not None, e.fits is False, e.step_s))
 
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
 from ..mesh import MeshSpec
+from ..progress import bar
 from ..placement import PackedShard, is_sharded, shard_slices
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -120,7 +119,7 @@ def load_shards(path, expected: dict[str, tuple[torch.Size, torch.dtype]], specs
         raise CheckpointError(f"{path}: checkpoint does not match the partitioned model:\n  " + "\n  ".join(problems))
     shards = {}
     names = sorted(expected)
-    for name in tqdm(names, desc="loading shards", unit="tensor", disable=not sys.stderr.isatty()):
+    for name in bar(names, desc="loading shards", unit="tensor"):
         try:
             shards[name] = read_shard(handles[files[name]], name, specs.get(name, {}), mesh)
         except (SafetensorError, OSError, RuntimeError) as error:

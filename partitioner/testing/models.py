@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..frontend.pipeline_inputs import cogvideox_rotary, h3_inputs
+
 TINY_H3 = dict(
     num_attention_heads=4, attention_head_dim=16, hidden_size=48, num_layers=2, num_refiner_layers=1, ffn_dim=96,
     in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=32, freq_dim=32, time_embed_hidden_dim=48,
@@ -49,28 +51,6 @@ def flux_cfg_inputs() -> dict:
     return inputs
 
 
-def h3_inputs(config: dict, *, text: int = 5, video: int = 12, audio: int = 6, timesteps: int = 2, seed: int = 1,
-              device="cpu"):
-    """Inputs of one packed sequence in the layout H3's pipeline builds: text, video and audio rows scattered."""
-    g = torch.Generator().manual_seed(seed)
-    seq = text + video + audio
-    order = torch.randperm(seq, generator=g)
-    patch = config["in_channels"] * config["patch_size"][0] * config["patch_size"][1] * config["patch_size"][2]
-    kwargs = dict(
-        hidden_states=torch.randn(1, video, patch, generator=g),
-        audio_hidden_states=torch.randn(1, audio, config["audio_in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(1, text, config["text_dim"], generator=g),
-        timestep=torch.rand(timesteps, generator=g),
-        timestep_indices=torch.randint(0, timesteps, (seq,), generator=g),
-        token_tags=torch.randint(0, 3, (seq,), generator=g),
-        position_ids=torch.randint(0, 8, (seq, 3), generator=g),
-        video_indices=order[:video],
-        audio_indices=order[video:video + audio],
-        text_indices=order[video + audio:],
-    )
-    return {k: v.to(device) for k, v in kwargs.items()}
-
-
 
 # --- models that rotate q/k in place (CogVideoX, CogView4: `query[:, :, text:] = rotary(...)`) ---------------
 
@@ -93,33 +73,6 @@ def tiny_cogvideox(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     return CogVideoXTransformer3DModel(**{**TINY_COGVIDEOX, **overrides}).eval()
-
-
-def _crop_region(src, tgt_width, tgt_height):
-    # diffusers.pipelines.cogvideo.pipeline_cogvideox.get_resize_crop_region_for_grid, without the pipeline import.
-    h, w = src
-    if h / w > tgt_height / tgt_width:
-        resize_height, resize_width = tgt_height, int(round(tgt_height / h * w))
-    else:
-        resize_width, resize_height = tgt_width, int(round(tgt_width / w * h))
-    top, left = int(round((tgt_height - resize_height) / 2.0)), int(round((tgt_width - resize_width) / 2.0))
-    return (top, left), (top + resize_height, left + resize_width)
-
-
-def cogvideox_rotary(config, frames: int, height: int, width: int):
-    """(cos, sin), each (frames * height/p * width/p, head_dim), as CogVideoXPipeline builds it (latent sizes)."""
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    p, p_t = config["patch_size"], config.get("patch_size_t")
-    grid = (height // p, width // p)
-    base_w, base_h = config["sample_width"] // p, config["sample_height"] // p
-    dim = config["attention_head_dim"]
-    if p_t is None:  # CogVideoX 1.0
-        return get_3d_rotary_pos_embed(embed_dim=dim, crops_coords=_crop_region(grid, base_w, base_h), grid_size=grid,
-                                       temporal_size=frames)
-    return get_3d_rotary_pos_embed(embed_dim=dim, crops_coords=None, grid_size=grid,  # CogVideoX 1.5
-                                   temporal_size=(frames + p_t - 1) // p_t, grid_type="slice",
-                                   max_size=(base_h, base_w))
 
 
 def cogvideox_inputs(model, *, text: int = 8, frames: int = 4, height: int = 4, width: int = 4, batch: int = 1,

@@ -8,7 +8,8 @@ and 6-8 text tokens, batch 1. ``notes`` records what was observed with diffusers
 run, ``torch.export.export(..., strict=False)``, and the full config's parameter count. ``python -m
 partitioner.testing.zoo_check`` re-checks all of it.
 
-Each model's ``make_inputs(config, seed=0, **sizes)`` is in ``zoo_inputs`` (an unknown size is a ``TypeError``).
+Each model's ``make_inputs(config, seed=0, **sizes)`` is in ``partitioner.frontend.pipeline_inputs`` (an unknown
+size is a ``TypeError``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from ..errors import InputError
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3
-from .zoo_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
+from ..frontend.pipeline_inputs import PIPELINE_SIZES as SIZES_BY_CLASS
+from ..frontend.pipeline_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
                          cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs,
                          hidream_inputs, hunyuan_video_inputs, hunyuan_video15_inputs, kandinsky5_inputs,
                          ltx_video_inputs, lumina2_inputs, minimax_h3_inputs, mochi_inputs, pixart_inputs,
@@ -266,42 +268,9 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
 
 # --- the sizes pipelines pass ---------------------------------------------------------------------------------------
 
-# What each model's diffusers pipeline passes at its usual resolutions, in the input builder's units (latent sizes
-# before patching; ``text``: the rows the text encoder gives, ``pad`` of them padding). Odd text lengths and row
-# counts equal to a feature width are what users bring: Flux at 1024x768 has 3072 image rows, its inner width.
-PIPELINE_SIZES: dict[str, dict[str, dict]] = {
-    "flux": {"1024x1024": dict(text=512, height=128, width=128), "1024x768": dict(text=512, height=96, width=128)},
-    "flux2": {"1024x1024": dict(text=512, height=128, width=128)},
-    "sd3": {"1024x1024": dict(text=333, height=128, width=128)},  # 77 CLIP + 256 T5 rows
-    "auraflow": {"1024x1024": dict(text=256, height=128, width=128)},
-    "pixart_sigma": {"1024x1024": dict(text=300, pad=281, height=128, width=128)},
-    "sana": {"1024x1024": dict(text=300, pad=281, height=32, width=32)},  # DC-AE: 32x down
-    "lumina2": {"1024x1024": dict(text=256, pad=237, height=128, width=128)},
-    "hidream": {"1024x1024": dict(text=128, height=128, width=128)},
-    "hunyuan_video": {"480p 129f": dict(text=256, pad=231, frames=33, height=60, width=106),
-                      "720p 129f": dict(text=256, pad=231, frames=33, height=90, width=160)},
-    # Qwen rows to 1000 (+ a template), ByT5 256, 729 SigLIP rows; the VAE compresses 16x in space and 4x in time
-    "hunyuan_video15": {"480p 121f": dict(text=1000, pad=977, text_2=256, pad_2=249, image_rows=729, frames=31,
-                                          height=30, width=53)},
-    "wan": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104),
-            "720p 81f": dict(text=512, pad=487, frames=21, height=90, width=160)},
-    "ltx_video": {"704x480 161f": dict(text=128, pad=109, frames=21, height=15, width=22),
-                  "1216x704 161f": dict(text=128, pad=109, frames=21, height=22, width=38)},
-    "mochi": {"480p 163f": dict(text=256, pad=237, frames=28, height=60, width=106)},
-    "cogvideox": {"720x480 49f": dict(text=226, frames=13, height=60, width=90)},
-    "cogview4": {"1024x1024": dict(text=48, height=128, width=128)},  # GLM rows, padded to a multiple of 16
-    "qwen_image": {"1024x1024": dict(text=23, height=128, width=128), "1328x1328": dict(text=37, height=166,
-                                                                                         width=166)},
-    "allegro": {"720p 88f": dict(text=512, pad=491, frames=22, height=90, width=160)},
-    "minimax_h3": {"768p 124f": dict(text=178, video=37198, audio=512)},  # 37888 packed rows
-    "chroma": {"1024x1024": dict(text=512, pad=493, height=128, width=128)},
-    "bria": {"1024x1024": dict(text=128, height=128, width=128)},
-    "skyreels_v2": {"540p 97f": dict(text=512, pad=487, frames=25, height=68, width=120)},
-    "chronoedit": {"720p 5f": dict(text=512, pad=487, frames=2, height=90, width=160, image_rows=257)},
-    "wan_vace": {"480p 81f": dict(text=512, pad=487, frames=21, height=60, width=104)},
-    "kandinsky5": {"768x512 121f": dict(text=256, frames=31, height=64, width=96)},
-    "easyanimate": {"672x384 49f": dict(text=256, frames=13, height=48, width=84)},
-}
+# ``partitioner.frontend.pipeline_inputs.PIPELINE_SIZES`` by zoo name
+PIPELINE_SIZES: dict[str, dict[str, dict]] = {name: SIZES_BY_CLASS[m.cls] for name, m in ZOO.items()
+                                              if m.cls in SIZES_BY_CLASS}
 
 
 # --- public helpers --------------------------------------------------------------------------------------------------

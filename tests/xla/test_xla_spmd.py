@@ -57,7 +57,7 @@ def test_numerics_and_collectives_match_the_plan(name, layout):
     model, inputs = MODELS[name]()
     with torch.no_grad():
         expected = _outputs(model(**inputs))
-    partitioned = partitioner.partition(model, MESHES[layout], ((), inputs))
+    partitioned = partitioner.partition(model, MESHES[layout], ((), inputs), programs="global")
     compiled = partitioned.compile(backend="xla")  # verify=True: raises CollectiveMismatch on any difference
     actual = _outputs(compiled(**inputs))
     for a, e in zip(actual, expected, strict=True):
@@ -84,7 +84,7 @@ def test_uneven_heads_exact_and_refused_by_verify():
     model, inputs = tiny_h3(**config), h3_inputs({**TINY_H3, **config})
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)
-    partitioned = partitioner.partition(model, {"tp": 4}, ((), inputs))
+    partitioned = partitioner.partition(model, {"tp": 4}, ((), inputs), programs="global")
     assert partitioned.linear_styles["transformer_blocks.0.attn.to_q"] == "colwise uneven 16-32 in units of 16"
     with pytest.raises(XlaBackendError, match="unevenly in whole units"):
         partitioned.compile(backend="xla")
@@ -103,7 +103,7 @@ def test_model_idioms(name, layout):
     model = factory().eval()
     with torch.no_grad():
         expected = model(**inputs)
-    compiled = partitioner.partition(model, MESHES[layout], ((), inputs)).compile(backend="xla")
+    compiled = partitioner.partition(model, MESHES[layout], ((), inputs), programs="global").compile(backend="xla")
     torch.testing.assert_close(compiled(**inputs), expected, **TOLERANCE)
     assert compiled.stats.mismatches == []
 
@@ -119,7 +119,7 @@ def test_mixed_precision_h3_as_the_checkpoint_is():
     low = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
         expected, exact = model(**low, return_dict=False), reference(**inputs, return_dict=False)
-    compiled = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), low)).compile(backend="xla")
+    compiled = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), low), programs="global").compile(backend="xla")
     for a, e, x in zip(compiled(**low, return_dict=False), expected, exact, strict=True):
         assert (a.float() - e.float()).abs().max() <= (e.float() - x).abs().max()
 
@@ -129,7 +129,7 @@ def test_naive_fused_swiglu_annotation_is_detected(model_and_reference):
     annotation does). XLA then re-lays the halves out with collectives the plan does not have: the check names
     them."""
     model, inputs, expected = model_and_reference
-    partitioned = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs))
+    partitioned = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs), programs="global")
     naive = 0
     for node in partitioned.planned_graph.graph.nodes:
         placements = node.meta["placements"]
@@ -151,7 +151,7 @@ def test_host_prologue_runs_on_cpu_device_graph_on_xla():
     partition serves steps with 1 to 4 distinct timesteps."""
     step = H3DenoiseStep(tiny_h3())
     steps = {1: [0.5] * 4, 2: [0.9, 0.9, 0.1, 0.1], 4: [0.7, 0.5, 0.1, 0.2]}
-    partitioned = partitioner.partition(step, {"tp": 2, "ulysses": 2}, ((), denoise_inputs(TINY_H3, steps[4])))
+    partitioned = partitioner.partition(step, {"tp": 2, "ulysses": 2}, ((), denoise_inputs(TINY_H3, steps[4])), programs="global")
     assert partitioned.ctx.host is not None
     compiled = partitioned.compile(backend="xla")
     for timesteps in steps.values():
@@ -165,7 +165,7 @@ def test_host_prologue_runs_on_cpu_device_graph_on_xla():
 def test_a_smaller_mesh_runs_on_every_group_of_devices(model_and_reference):
     """TP=2 on 4 devices: the plan on devices (0, 1) and again on (2, 3); its all-reduces over [[0, 1], [2, 3]]."""
     model, inputs, expected = model_and_reference
-    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs))
+    partitioned = partitioner.partition(model, {"tp": 2}, ((), inputs), programs="global")
     compiled = partitioned.compile(backend="xla")
     for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
         torch.testing.assert_close(a, e, **TOLERANCE)
@@ -176,7 +176,7 @@ def test_a_smaller_mesh_runs_on_every_group_of_devices(model_and_reference):
 def test_mesh_size_must_divide_the_xla_devices(model_and_reference):
     model, inputs, _ = model_and_reference
     with pytest.raises(XlaBackendError, match="do not divide XLA's 4; on CPU start with .*CPU_NUM_DEVICES=3"):
-        partitioner.partition(tiny_h3(num_attention_heads=3), {"tp": 3}, ((), inputs)).compile(backend="xla")
+        partitioner.partition(tiny_h3(num_attention_heads=3), {"tp": 3}, ((), inputs), programs="global").compile(backend="xla")
 
 
 def test_counts_on_tiny_h3_are_those_the_readme_gives(model_and_reference):
@@ -186,7 +186,7 @@ def test_counts_on_tiny_h3_are_those_the_readme_gives(model_and_reference):
                 "tp2_ulysses2": {("all_reduce", "tp"): 11, ("all_to_all", "ulysses"): 8,
                                  ("all_gather", "ulysses"): 2}}
     for layout, counts in expected.items():
-        partitioned = partitioner.partition(model, MESHES[layout], ((), inputs))
+        partitioned = partitioner.partition(model, MESHES[layout], ((), inputs), programs="global")
         compiled = partitioned.compile(backend="xla")
         compiled(**inputs)
         found = compiled.stats.collectives
@@ -211,7 +211,7 @@ class PackedThroughPointwise(torch.nn.Module):
 def test_packed_values_pass_pointwise_ops_without_collectives():
     torch.manual_seed(0)
     model, x = PackedThroughPointwise().eval(), torch.randn(2, 5, 16)
-    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}))
+    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}), programs="global")
     assert partitioned.linear_styles == {"up": "colwise packed [32, 32]", "down": "rowwise"}
     compiled = partitioned.compile(backend="xla")  # would raise CollectiveMismatch on a re-layout
     torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
@@ -225,7 +225,7 @@ def test_meta_model_with_loaded_weights(tmp_path):
     with torch.device("meta"):
         meta_model = tiny_h3()
     meta_inputs = {name: value.to("meta") for name, value in inputs.items()}
-    partitioned = partitioner.partition(meta_model, {"tp": 2, "ulysses": 2}, ((), meta_inputs))
+    partitioned = partitioner.partition(meta_model, {"tp": 2, "ulysses": 2}, ((), meta_inputs), programs="global")
     with pytest.raises(RuntimeError, match="meta device"):
         partitioned.compile(backend="xla")
     compiled = partitioned.load_weights(tmp_path).compile(backend="xla")
@@ -247,7 +247,7 @@ def test_verify_after_an_unverified_compile_of_the_same_graph_says_why():
     torch.manual_seed(1)
     model, x = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.GELU(), torch.nn.Linear(24, 8)).eval(), \
         torch.randn(3, 8)
-    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}))
+    partitioned = partitioner.partition(model, {"tp": 4}, ((x,), {}), programs="global")
     partitioned.compile(backend="xla", verify=False)(x)
     with pytest.raises(XlaBackendError, match="reused this graph, compiled earlier in this process without verify"):
         partitioned.compile(backend="xla")(x)
@@ -269,7 +269,7 @@ def test_torch_compile_with_the_xla_backend():
 def test_weights_move_to_the_devices_once():
     """Later calls reuse the sharded weights on the devices; a weight changed in place is moved again."""
     model, inputs = _h3()  # its own model: the weights are changed below
-    compiled = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs)).compile(backend="xla")
+    compiled = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs), programs="global").compile(backend="xla")
     first = compiled(**inputs, return_dict=False)
     placed = {index: entry[1] for index, entry in compiled.lowered.placed.items()}
     compiled(**inputs, return_dict=False)
@@ -297,7 +297,7 @@ def test_ring_attention_as_collective_permutes(layout):
     model, inputs = tiny_h3(), h3_inputs(TINY_H3, video=13, audio=6)  # 5 + 13 + 6 = 24 packed rows
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)
-    partitioned = partitioner.partition(model, RING_MESHES[layout], ((), inputs))
+    partitioned = partitioner.partition(model, RING_MESHES[layout], ((), inputs), programs="global")
     compiled = partitioned.compile(backend="xla")  # verify=True: the HLO's collectives are the plan's
     for a, e in zip(compiled(**inputs, return_dict=False), expected, strict=True):
         torch.testing.assert_close(a, e, **TOLERANCE)
@@ -309,7 +309,7 @@ def test_ring_attention_as_collective_permutes(layout):
     original = ops._pass_on
     try:
         ops._pass_on = lambda blocks: blocks * 1  # never passed on
-        unpassed = partitioner.partition(model, RING_MESHES[layout], ((), inputs)).compile(backend="xla",
+        unpassed = partitioner.partition(model, RING_MESHES[layout], ((), inputs), programs="global").compile(backend="xla",
                                                                                            verify=False)
         actual = unpassed(**inputs, return_dict=False)
     finally:
@@ -320,7 +320,7 @@ def test_ring_attention_as_collective_permutes(layout):
 def test_ring_on_xla_refuses_uneven_blocks_by_name():
     """25 packed rows over a ring of 2: XLA's equal tiles cannot hold 13 + 12 rows; the error says what to do."""
     model, inputs = tiny_h3(), h3_inputs(TINY_H3, video=13, audio=7)
-    partitioned = partitioner.partition(model, {"ring": 2}, ((), inputs))
+    partitioned = partitioner.partition(model, {"ring": 2}, ((), inputs), programs="global")
     with pytest.raises(XlaBackendError, match="25 query and 25 key rows over a ring of 2"):
         partitioned.compile(backend="xla")(**inputs)
 
@@ -333,7 +333,7 @@ def test_batch_axis_on_xla(layout):
     inputs, model = flux_cfg_inputs(), tiny_flux()
     with torch.no_grad():
         expected = model(**inputs).sample
-    partitioned = partitioner.partition(model, layout, ((), inputs))
+    partitioned = partitioner.partition(model, layout, ((), inputs), programs="global")
     compiled = partitioned.compile(backend="xla")
     torch.testing.assert_close(compiled(**inputs).sample, expected, **TOLERANCE)
     batch = next(iter(layout))
