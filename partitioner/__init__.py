@@ -3,14 +3,16 @@
 from .api import Partitioned, partition, plan
 from .backends.neuron import NeuronLegalityError, NeuronPerformanceWarning
 from .backends.xla import CollectiveMismatch, XlaBackendError
-from .errors import (AlreadyPartitioned, BackendError, CheckpointError, CollectiveTimeout, InputError, MeshError,
+from .errors import (AlreadyPartitioned, BackendError, BackwardUnsupported, CheckpointError, CollectiveTimeout,
+                     ConcurrentCall, InputError, MeshError,
                      MissingWeights, NotFound, PartitionerError, PartitionError, PartitionUnusable, PartitionWarning,
                      RankDisagreement, TraceError, VerificationError)
 from .placement import PackedShard
 from .plans import Plan
 from .runtime.pipelines import parallelize
 
-__all__ = ["AlreadyPartitioned", "BackendError", "CheckpointError", "CollectiveMismatch", "CollectiveTimeout", "InputError", "MeshError",
+__all__ = ["AlreadyPartitioned", "BackendError", "BackwardUnsupported", "CheckpointError", "CollectiveMismatch",
+           "CollectiveTimeout", "ConcurrentCall", "InputError", "MeshError",
            "MissingWeights", "NeuronLegalityError", "NeuronPerformanceWarning", "NotFound", "PackedShard",
            "PartitionError", "PartitionUnusable",
            "PartitionWarning", "Partitioned", "PartitionerError", "Plan", "RankDisagreement", "TraceError",

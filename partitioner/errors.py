@@ -82,6 +82,16 @@ class AlreadyPartitioned(PartitionerError, RuntimeError):
     it), asked of the module ``parallelize`` installs after its first call: apply it before ``parallelize``."""
 
 
+class BackwardUnsupported(PartitionerError, RuntimeError):
+    """``backward`` through a partitioned program: its gradients would not be the model's (a collective's backward
+    sums again, a rank's slice never gathers its gradient), so it is refused until they are."""
+
+
+class ConcurrentCall(PartitionerError, RuntimeError):
+    """A second thread called a partition of a mesh while another call on that mesh ran: the ranks could pair
+    their threads' collectives crosswise."""
+
+
 class PartitionWarning(UserWarning):
     """A plan that is exact but wastes a mesh axis (e.g. a sequence degree that shards no attention)."""
 

@@ -4,6 +4,7 @@ asked of them (explain, report, verify, compile, load_weights, specialize)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import time
@@ -17,6 +18,7 @@ from . import backends
 from .errors import (BackendError, did_you_mean, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
                      PartitionError, VerificationError, our_step)
 from .frontend.padding import parse_buckets
+from .frontend.randomness import refuse_randomness
 from .frontend.trace import Traced, copy_graph_module, trace
 from .frontend.value_specialization import method_as_forward
 from .mesh import MeshSpec
@@ -32,7 +34,7 @@ from .runtime.agreement import CallGuard, agree_on_plan, agree_on_staging, plan_
 from .runtime import collectives
 from .runtime.checkpoint import load_shards
 from .runtime.fingerprints import check_fingerprint
-from .runtime.program import input_names, place_graph_on
+from .runtime.program import autocast_state, input_names, place_graph_on
 from .runtime.weights import shard_state
 
 
@@ -52,6 +54,9 @@ class Partitioned:
         self.global_state = traced.state if not ctx.mesh.runnable else None
         self.checkpoint = None  # (path, strict) of the last load_weights
         self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
+        self.trainable = False  # the model had weights that require grad (partition() sets it)
+        self.traced_training = False  # the model's mode when traced: a call in the other mode is refused
+        self.traced_autocast = autocast_state(ctx.mesh.device_type)  # the autocast it was traced under
         self.source = None  # weak reference to the model, for verify()
         self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
         self.method = "forward"  # the model's method traced as the entry (a VAE's "decode")
@@ -133,6 +138,8 @@ class Partitioned:
             new.checkpoint = self.checkpoint
             new.model_config, new.model_dtype, new.skeleton, new.source = \
                 self.model_config, self.model_dtype, self.skeleton, self.source
+            new.trainable, new.traced_training, new.traced_autocast = \
+                self.trainable, self.traced_training, self.traced_autocast
             return new
 
         with method_as_forward(self.skeleton, self.method):
@@ -363,8 +370,10 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
     header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
     if groups is not None:  # every rank reuses the same groups, or every rank made new ones
         header.append(f"process groups generation {groups.generation}")
-    agree_on_plan(groups, _plan_lines(partitioned, header) if partitioned is not None else None, failure)
-    partitioned.guard = CallGuard(groups, spec.device)
+    lines = _plan_lines(partitioned, header) if partitioned is not None else None
+    agree_on_plan(groups, lines, failure)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8]
+    partitioned.guard = CallGuard(groups, spec.device, identity=f"{partitioned.model_name} (plan {digest})")
     return partitioned
 
 
@@ -426,6 +435,7 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
     ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
                       buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
                       overlap=Overlap.parse(overlap))
+    refuse_randomness(traced.graph_module, model_name)
     guarded = traced.guards.inputs if traced.guards is not None else set()
     read = ({ctx.input_names[i] for i in traced.values} | guarded) & {name for name, _ in ctx.buckets}
     if read:  # the values read would include the bucket's padding: the trace would be exact for the padded call

@@ -17,7 +17,7 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.errors import MeshError, PartitionError, PartitionWarning
+from partitioner.errors import InputError, MeshError, PartitionError, PartitionWarning
 from partitioner.plans import Plan
 from partitioner.testing import TINY_H3, h3_inputs, tiny_h3
 
@@ -100,6 +100,8 @@ def test_misspelt_names_in_the_python_api_get_the_nearest_valid_one():
     model, example = tiny_h3(), ((), h3_inputs(TINY_H3))
     with pytest.raises(MeshError, match="did you mean 'ulysses'"):
         partitioner.plan(model, {"tp": 2, "ulyses": 2}, example)
+    with pytest.raises(InputError, match="no public method 'fowrard' to trace \\(did you mean 'forward'"):
+        partitioner.plan(model, {"tp": 2}, example, method="fowrard")
     partitioned = partitioner.partition(model, {"tp": 2}, example)
     with pytest.raises(KeyError, match="did you mean 'transformer_blocks.0.attn.to_q'"):
         partitioned.explain("transformer_blocks.0.attn.to_qq")
@@ -139,3 +141,20 @@ def test_progress_bars_show_on_request_and_stay_silent_otherwise(capsys, monkeyp
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     partitioner.partition(model, {"tp": 2}, example)
     assert capsys.readouterr().err == ""
+
+
+def _plan_on_a_real_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "ulysses"))
+    return partitioner.Plan.of(partitioner.partition(tiny_h3(), mesh, ((), h3_inputs(TINY_H3)))).fingerprint
+
+
+@pytest.mark.slow
+def test_axis_sizes_plan_what_the_ranks_of_a_real_mesh_run():
+    """The README's first lines plan on axis sizes; the ranks of a DeviceMesh of those sizes run the same plan."""
+    from partitioner.testing import run_ranks
+
+    sized = partitioner.plan(tiny_h3(), {"tp": 2, "ulysses": 2}, ((), h3_inputs(TINY_H3)))
+    assert set(run_ranks(4, _plan_on_a_real_mesh)) == {sized.fingerprint}
+    assert set(sized.attention.values()) == {"sequence-sharded (Ulysses all_to_all)"}

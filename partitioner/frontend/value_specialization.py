@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import InputError, TraceError
+from ..errors import InputError, TraceError, did_you_mean
 from .value_guards import GuardTape, ValueGuard, ValueRead
 
 # Tensor methods answered from shape, dtype or device alone (properties too: ``__get__``), unless they return a
@@ -433,7 +433,8 @@ def method_as_forward(model: torch.nn.Module, method: str):
         return
     function = getattr(type(model), method, None)  # the class's: an instance may hold a stand-in for it
     if not callable(function) or method.startswith("_"):
-        raise InputError(f"{type(model).__name__} has no public method {method!r} to trace; give method= the name of "
-                         "one, e.g. 'decode'")
+        public = [name for name in dir(type(model)) if not name.startswith("_") and callable(getattr(type(model), name))]
+        raise InputError(f"{type(model).__name__} has no public method {method!r} to trace"
+                         f"{did_you_mean(method, public)}; give method= the name of one, e.g. 'decode'")
     with forward_replaced(model, types.MethodType(function, model)):
         yield

@@ -28,30 +28,57 @@ import contextlib
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+import threading
+import weakref
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CollectiveTimeout, InputError, PartitionUnusable, RankDisagreement
+from ..errors import (CheckpointError, CollectiveTimeout, ConcurrentCall, InputError, PartitionUnusable,
+                      RankDisagreement)
 from .collectives import WAITS
 from .fingerprints import _number, check_fingerprint, fingerprints, values_digest
 
 DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
-_GROUPS: dict[tuple, "RankGroups"] = {}  # groups are costly to create: reused across partitions of one mesh
-_ROUNDS: dict[tuple, int] = {}  # how many times this rank met its peers to decide on a mesh's groups
+
+
+@dataclass
+class _Meshes:
+    """What this rank keeps per default process group (dropped with it: a group made after destroy_process_group
+    starts afresh, even where Python reuses the old one's id)."""
+    groups: dict[tuple, "RankGroups"] = field(default_factory=dict)  # costly to create: reused across partitions
+    rounds: dict[tuple, int] = field(default_factory=dict)  # how many times this rank met its peers, per mesh
+
+
+_BY_DEFAULT_GROUP: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Meshes]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class RankGroups:
     """Process groups bounded by ``timeout``: ``world`` spans the mesh (for agreement), ``axes`` maps each mesh dim
-    to the name of this rank's group along it (for the program's collectives)."""
-    world: dist.ProcessGroup
+    to the name of this rank's group along it (for the program's collectives). The groups are held weakly: torch
+    holds them until ``destroy_process_group``, and then nothing of a partition (fx graphs are cyclic garbage, freed
+    only by a full collection) keeps their threads and connections alive."""
+    world_ref: weakref.ref
     axes: dict[str, str]
     timeout: float
     generation: int = 1  # how many times the ranks created groups for this mesh; compared in the plan check
     stale: bool = False  # a collective on them failed or timed out on this rank: they may hold stale messages
+    # held by the thread running a call on these groups: a second thread's call is refused, not interleaved
+    calls: threading.RLock = field(default_factory=threading.RLock, compare=False, repr=False)
+    owned: list[weakref.ref] = field(default_factory=list, repr=False)  # this rank's groups, destroyed if replaced
+
+    @property
+    def world(self) -> dist.ProcessGroup | None:
+        """The group spanning the mesh; None once destroyed."""
+        return self.world_ref()
+
+    @property
+    def alive(self) -> bool:
+        world = self.world
+        return world is not None and world in getattr(dist.distributed_c10d._world, "pg_map", {world: 0})
 
 
 def _is_real_backend() -> bool:
@@ -76,36 +103,53 @@ def bounded_groups(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...], tim
     except (RuntimeError, ValueError) as error:
         raise CollectiveTimeout(f"no default process group to partition on ({_first_line(error)}): call "
                                 "torch.distributed.init_process_group on every rank first") from None
-    key = (axis_names, axis_sizes, float(timeout), id(default))
-    cached = _GROUPS.get(key)
-    if cached is not None and cached.world not in getattr(dist.distributed_c10d._world, "pg_map", {cached.world: 0}):
-        cached = None  # destroyed with the default group it was made on (whose id a new one may reuse)
-    mine = (cached.generation if cached is not None else 0, cached is None or cached.stale)
-    every = _meet(key, mine, timeout)
-    if cached is not None and all(entry == (cached.generation, False) for entry in every):
+    meshes = _BY_DEFAULT_GROUP.setdefault(default, _Meshes())
+    key = (axis_names, axis_sizes, float(timeout))
+    cached = meshes.groups.get(key)
+    mine = (cached.generation if cached is not None else 0, cached is None or cached.stale, float(timeout))
+    every = _meet(meshes, (axis_names, axis_sizes), mine, timeout)  # ranks with other timeouts meet too
+    if len({entry[2] for entry in every}) > 1:
+        raise InputError("the ranks gave partition() different timeouts ("
+                         + ", ".join(f"rank {r}: {entry[2]:g} s" for r, entry in enumerate(every))
+                         + "); every collective of a partition waits as long on every rank: give each rank the same "
+                         "timeout")
+    if cached is not None and all(entry[:2] == (cached.generation, False) for entry in every):
         return cached  # every rank holds the same healthy groups
-    generation = max(g for g, _ in every) + 1  # the same number on every rank
+    if cached is not None:  # replaced on every rank: its threads and connections go now, not at exit
+        _destroy(meshes.groups.pop(key).owned)
+    generation = max(entry[0] for entry in every) + 1  # the same number on every rank
     bound = timedelta(seconds=timeout)
     rank, world = dist.get_rank(), math.prod(axis_sizes)
     ranks = torch.arange(world).reshape(axis_sizes)
-    axes = {}
+    axes, owned = {}, []
     try:
         for dim, name in enumerate(axis_names):
             for members in ranks.movedim(dim, -1).reshape(-1, axis_sizes[dim]).tolist():
                 group = dist.new_group(members, timeout=bound)  # collective: every rank creates every group
                 if rank in members:
                     axes[name] = group.group_name
+                    owned.append(group)
         world_group = dist.new_group(list(range(world)), timeout=bound)
     except RuntimeError as error:
+        _destroy([weakref.ref(group) for group in owned])
         raise CollectiveTimeout(f"creating the partition's process groups did not complete within {timeout:g} s on "
                                 f"rank {rank}: a peer rank failed, hangs, or did not call partition() "
                                 f"({_first_line(error)}); call partition() again on every rank") from error
-    groups = RankGroups(world_group, axes, float(timeout), generation)
-    _GROUPS[key] = groups
+    groups = RankGroups(weakref.ref(world_group), axes, float(timeout), generation,
+                        owned=[weakref.ref(group) for group in owned + [world_group]])
+    meshes.groups[key] = groups
     return groups
 
 
-def _meet(key: tuple, value: tuple[int, bool], timeout: float) -> list[tuple[int, bool]]:
+def _destroy(owned: list[weakref.ref]) -> None:
+    """Destroy the groups a partition made on this rank (those still alive and registered)."""
+    registered = getattr(dist.distributed_c10d._world, "pg_map", {})
+    for group in (ref() for ref in owned):
+        if group is not None and group in registered:
+            dist.destroy_process_group(group)
+
+
+def _meet(meshes: _Meshes, key: tuple, value: tuple[int, bool, float], timeout: float) -> list[tuple[int, bool, float]]:
     """Every rank's ``value`` for this round of ``bounded_groups`` on the mesh ``key``, exchanged through the default
     group's store (keys, not messages: nothing stale can pair with them). Each rank sets its key and counts itself
     in; the last to arrive marks the round complete, a rank that waited ``timeout`` in vain marks it abandoned:
@@ -114,15 +158,15 @@ def _meet(key: tuple, value: tuple[int, bool], timeout: float) -> list[tuple[int
     abandoned joins the next round instead, which its peers' next ``partition()`` meets."""
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = hashlib.sha256(repr(key[:3]).encode()).hexdigest()[:12]
+    mesh = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
     while True:
-        _ROUNDS[key] = round_ = _ROUNDS.get(key, 0) + 1
+        meshes.rounds[key] = round_ = meshes.rounds.get(key, 0) + 1
         prefix = f"partitioner/groups/{mesh}/{round_}/"
         state = prefix + "state"
         if store.check([state]) and store.get(state) == b"abandoned":
             continue  # its peers gave up on this round before this rank came: their next partition() is the next
         keys = [prefix + str(r) for r in range(world)]
-        store.set(keys[rank], f"{value[0]} {int(value[1])}")
+        store.set(keys[rank], f"{value[0]} {int(value[1])} {value[2]!r}")
         if store.add(prefix + "arrived", 1) == world:
             store.compare_set(state, "", "complete")
         try:
@@ -135,7 +179,8 @@ def _meet(key: tuple, value: tuple[int, bool], timeout: float) -> list[tuple[int
                 f"rank(s) {missing or 'of the mesh'} did not call partition() within {timeout:g} s of rank {rank} "
                 f"(round {round_} of this mesh's process groups): they failed, hang, or skipped it; call "
                 "partition() again on every rank")
-        return [(int(g), bool(int(stale))) for g, stale in (store.get(k).decode().split() for k in keys)]
+        return [(int(g), bool(int(stale)), float(wait)) for g, stale, wait in (store.get(k).decode().split()
+                                                                               for k in keys)]
 
 
 def forget(groups: RankGroups) -> None:
@@ -229,12 +274,31 @@ class CallGuard:
     """Wraps every call of a lowered program: ``agree`` before the first collective, ``running`` around it.
     ``fingerprint``: how each call's input values are compared between ranks ("sample", "full" or "off")."""
 
-    def __init__(self, groups: RankGroups | None, device: torch.device, fingerprint: str = "sample"):
+    def __init__(self, groups: RankGroups | None, device: torch.device, fingerprint: str = "sample",
+                 identity: str = ""):
         self.groups = groups
         self.device = device if groups is not None and dist.get_backend(groups.world) != "gloo" else \
             torch.device("cpu")
         self.broken: str | None = None
         self.fingerprint = check_fingerprint(fingerprint)
+        self.identity = identity  # which partition: its model and plan (two may share one mesh's groups)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """One call at a time on this mesh's groups, from one thread: a second thread's call while one runs is
+        refused at once (a lock that made it wait could not make the ranks take their threads in the same order,
+        and their collectives would pair crosswise)."""
+        if self.groups is None:
+            yield
+            return
+        if not self.groups.calls.acquire(blocking=False):
+            raise ConcurrentCall(f"{self.identity.split(' ')[0] or 'this partition'}: another thread is running a "
+                                 "call on this mesh's process groups; call each mesh's partitions from one thread "
+                                 "per rank (one call at a time)")
+        try:
+            yield
+        finally:
+            self.groups.calls.release()
 
     @property
     def group(self):
@@ -244,10 +308,11 @@ class CallGuard:
         if self.broken is not None:
             raise PartitionUnusable(f"an earlier call failed after its first collective ({self.broken}); the ranks' "
                                     "message streams may be out of step: partition the model again on every rank")
-        if self.groups is not None and not dist.is_initialized():
-            raise PartitionUnusable("the default process group was destroyed (destroy_process_group) after this "
-                                    "partition was made: its process groups are gone; init_process_group and "
-                                    "partition the model again on every rank")
+        if self.groups is not None and (not dist.is_initialized() or not self.groups.alive):
+            raise PartitionUnusable("this partition's process groups are gone: the default process group was "
+                                    "destroyed (destroy_process_group) after it was made, or the groups were replaced "
+                                    "after a collective on them failed; init_process_group if needed and partition "
+                                    "the model again on every rank")
 
     def agree(self, problem: InputError | None, signature: int, describe=None,
               values: list[tuple[str, torch.Tensor]] | None = None, exact=frozenset(), marker: str = "") -> None:
@@ -263,10 +328,11 @@ class CallGuard:
         values = values or []
         digest = values_digest(values, self.fingerprint, exact) if problem is None else ""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        status = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
+        status = torch.zeros(world, 4, dtype=torch.int64, device=self.device)
         status[rank, 0] = int(problem is not None)
         status[rank, 1] = _number(f"{signature} {self.fingerprint}") if problem is None else 0
         status[rank, 2] = _number(f"{marker} {digest}") if problem is None else 0
+        status[rank, 3] = _number(self.identity)
         try:
             dist.all_reduce(status, group=self.group)
         except RuntimeError as error:
@@ -275,6 +341,11 @@ class CallGuard:
             raise CollectiveTimeout(f"ranks did not all call the partition within {self.groups.timeout:g} s "
                                     f"({_first_line(error)}); every rank must make every call") from error
         status = status.cpu()
+        if len(set(status[:, 3].tolist())) > 1:  # two partitions of one mesh, called crosswise: nothing else matters
+            called = _exchange(self.groups, self.identity, "the input agreement")
+            raise InputError("the ranks called different partitions of this mesh at once ("
+                             + "; ".join(f"rank {r}: {who}" for r, who in enumerate(called))
+                             + "); every rank must call the mesh's partitions in the same order")
         rejected = status[:, 0].nonzero().flatten().tolist()
         if rejected:
             reasons = _exchange(self.groups, str(problem) if problem is not None else None, "the input agreement")
@@ -311,6 +382,10 @@ class CallGuard:
             yield
         except BaseException as error:
             if self.groups is None:  # one process drives every device (or plans only): nothing is out of step
+                raise
+            if isinstance(error, KeyboardInterrupt):  # stays what it is on the interrupted rank; peers time out
+                self.broken = "a call was interrupted (KeyboardInterrupt) on this rank"
+                forget(self.groups)
                 raise
             where = failing_node(error, programs)
             self.broken = f"{type(error).__name__} at {where or 'an unknown node'}: {_first_line(error)}"

@@ -9,6 +9,7 @@ compares for shapes, dtypes, structure and constants.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import struct
 
@@ -129,10 +130,36 @@ def fingerprints(values: list[tuple[str, torch.Tensor]], mode: str, exact=frozen
     return [(name, found[name]) for name, _ in values if name in found]
 
 
+def leaf_key(value, *, generator_state: bool = True):
+    """What a call argument changes in the computation, comparable between ranks and calls: a tensor's shape and
+    dtype; a generator's device and (with ``generator_state``) a digest of its state, so that ranks seeded
+    differently still differ (a partitioned graph draws nothing from it: randomness in a forward is refused); a
+    function by its qualified name; a plain value (number, string, None, enum, dtype, device) by its repr; any
+    other object by its type. Never a repr that holds a memory address, which differs on every rank."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), str(value.dtype)
+    if isinstance(value, torch.Generator):
+        return ("generator", str(value.device)) + ((value_digest(value.get_state()),) if generator_state else ())
+    if callable(value) and hasattr(value, "__qualname__"):
+        return "callable", getattr(value, "__module__", ""), value.__qualname__
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
+                                           torch.device, torch.Size, range, slice)):
+        return repr(value)
+    return "object", type(value).__module__, type(value).__qualname__
+
+
+def same_constant(given, traced) -> bool:
+    """Whether a call's non-tensor argument is the traced constant: equal values, or for a generator one of the
+    same device (the graph draws nothing from it)."""
+    if isinstance(traced, torch.Generator):
+        return isinstance(given, torch.Generator) and given.device == traced.device
+    return type(given) is type(traced) and given == traced
+
+
 def call_signature(values: list, exact=()) -> int:
     """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, and the
     same values at the indices in ``exact``."""
-    described = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in values]
+    described = [leaf_key(v) for v in values]
     described += [value_digest(values[i]) for i in sorted(exact)]
     return _number(repr(described))
 

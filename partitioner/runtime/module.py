@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError, TraceError
 from ..frontend.padding import pad_named
 from ..frontend.trace import argument_name, bind_forward
-from .fingerprints import call_signature, value_digest
+from .fingerprints import call_signature, leaf_key, same_constant, value_digest
 from .program import CompiledPartition, call_arguments, describe_call, input_names
 
 log = logging.getLogger("partitioner")
@@ -51,6 +51,7 @@ def first_step_line(seconds: dict[str, float]) -> str:
 class PartitionedModule(torch.nn.Module):
     def __init__(self, partitioned, backend: str, options: dict, max_specializations: int = 8):
         super().__init__()
+        self.train(partitioned.traced_training)
         lowered, tensors = partitioned.lower(backend, **options)
         self._first = CompiledPartition(lowered, partitioned, backend, tensors=tensors)
         self._partitioned, self._backend, self._options = partitioned, backend, dict(options)
@@ -123,15 +124,25 @@ class PartitionedModule(torch.nn.Module):
         return self._first.device
 
     def _call(self, *args, **kwargs):
-        """Every check a call can fail (binding its arguments, padding to buckets, choosing or checking the program)
-        runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and every rank
-        builds a shape specialisation on the same call."""
+        with self._partitioned.guard.exclusive():
+            return self._call_once(args, kwargs)
+
+    def _call_once(self, args, kwargs):
+        """Every check a call can fail (its mode, binding its arguments, padding to buckets, choosing or checking the
+        program) runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and
+        every rank builds a shape specialisation on the same call."""
         owner = self._partitioned.model_name
         guard = self._partitioned.guard
         guard.check_usable()
         compiled = checked = bucketed = key = problem = None
         agreement, describe = dict(signature=0), None
         try:
+            if self.training != self._partitioned.traced_training:
+                modes = {True: "training mode", False: "eval mode"}
+                raise InputError(f"{owner}: called in {modes[self.training]}, partitioned in "
+                                 f"{modes[self._partitioned.traced_training]} (the mode is fixed when the model is "
+                                 f"traced); call .{'eval' if self.training else 'train'}() on it, or partition the "
+                                 f"model in {modes[self.training]}")
             named = bind_forward(self._first.traced.signature, args, kwargs, owner, InputError)
             describe = lambda: describe_call(named)  # noqa: E731
             buckets = self._partitioned.ctx.buckets
@@ -217,7 +228,7 @@ class PartitionedModule(torch.nn.Module):
                                  + f" (traced: {was.strip()})")
                 elif isinstance(leaf, torch.Tensor) and where in self._valued:
                     found.append(f"other values of {where}")
-                elif not isinstance(leaf, torch.Tensor) and (type(leaf) is not type(old) or leaf != old):
+                elif not isinstance(leaf, torch.Tensor) and not same_constant(leaf, old):
                     found.append(f"{where}={leaf!r} (traced: {old!r})")
         failed = first.traced.guards.failed(pytree.tree_leaves(((), named))) if first.traced.guards else None
         if failed is not None:
@@ -252,4 +263,4 @@ def _tensors(named: dict) -> list[tuple[str, torch.Tensor]]:
 def _shape_signature(named: dict) -> tuple:
     """A call's shape signature: its structure, every tensor's shape and dtype, every other leaf's value."""
     leaves, spec = pytree.tree_flatten(named)
-    return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in leaves))
+    return str(spec), tuple(leaf_key(v, generator_state=False) for v in leaves)

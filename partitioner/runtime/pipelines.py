@@ -230,7 +230,7 @@ class LazyPartition(torch.nn.Module):
         if self._module is None:
             from ..api import partition
 
-            model = self._model
+            model = self._model.train(self.training)  # traced in the mode the stand-in was put in
             self._refuse_idle_batch_axis(model, args, kwargs)
             partitioned = partition(model, self._mesh, (args, kwargs), **self._options)
             if self._checkpoint is not None:
@@ -239,7 +239,7 @@ class LazyPartition(torch.nn.Module):
             # the partition holds this rank's shards; attribute reads go to the skeleton (the model rebuilt on meta)
             self.__dict__["_skeleton"] = partitioned.skeleton if partitioned.skeleton is not None else model
             self.__dict__["_model"] = None
-        return self._module(*args, **kwargs)
+        return self._module.train(self.training)(*args, **kwargs)  # (another mode than the trace's is refused)
 
     def _refuse_idle_batch_axis(self, model, args, kwargs) -> None:
         """A batch (cfg / dp) axis splits each call's batch: a pipeline that runs classifier-free guidance as one

@@ -11,7 +11,9 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
-from .fingerprints import call_signature
+from .agreement import describe_collective
+from .fingerprints import call_signature, leaf_key, same_constant
+from .gradients import backward_reason, refusing_backward, wants_gradients
 
 
 def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -79,7 +81,7 @@ class CompiledPartition:
             self._raise_structure_mismatch(named)
         for index, value in self.traced.constant_args.items():
             given = flat[index]
-            if type(given) is not type(value) or given != value:
+            if not same_constant(given, value):
                 raise InputError(f"{self.owner}: argument {names[index]}={given!r} differs from the traced "
                                  f"{value!r}; partition again with it in example_inputs")
         real_sizes = {}
@@ -151,8 +153,10 @@ class CompiledPartition:
         return padded, self.host.sizes(outputs)
 
     def check(self, args, kwargs, guard_outcomes: dict | None = None) -> "_Checked":
-        """Every check of a call that can fail, before its first collective: its arguments bound, flattened, padded
-        and compared with the trace, the host prologue run, every index checked. Raises ``InputError``."""
+        """Every check of a call that can fail, before its first collective: the call's autocast as the partition's,
+        its arguments bound, flattened, padded and compared with the trace, the host prologue run, every index
+        checked. Raises ``InputError``."""
+        check_autocast(self.partitioned)
         try:
             flat, user, return_dict, real_sizes = self.flatten(args, kwargs, guard_outcomes)
             hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
@@ -173,6 +177,10 @@ class CompiledPartition:
                     values=[(self.names[i], v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)])
 
     def __call__(self, *args, **kwargs):
+        with self.guard.exclusive():
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         self.guard.check_usable()
         checked, problem, agreement = None, None, dict(signature=0)
         try:  # every check of this call, before its first collective
@@ -186,14 +194,35 @@ class CompiledPartition:
 
     def run(self, checked: "_Checked"):
         """Run a call that every rank checked and agreed on."""
-        with self.guard.running([self.partitioned.graph_module, self.lowered]):
+        gradients = wants_gradients(checked.flat, self.partitioned.trainable)
+        with self.guard.running([self.partitioned.graph_module, self.lowered]), torch.no_grad():
             out = list(self.lowered(*self.tensors(), *checked.user, *checked.hosted))
+        if gradients:  # never a silent wrong gradient: backward is refused by name
+            out = refusing_backward(out, checked.flat, backward_reason(self.owner, self.partitioned.graph_module,
+                                                                       describe_collective))
         for index, dim, expression in self.host.trims if self.host is not None else ():
             out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(checked.sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
         if checked.return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+def autocast_state(device_type: str) -> str:
+    """The autocast a call is made under on ``device_type``, in words ("no autocast", "autocast(cpu, bfloat16)")."""
+    if not torch.is_autocast_enabled(device_type):
+        return "no autocast"
+    return f"autocast({device_type}, {str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')})"
+
+
+def check_autocast(partitioned) -> None:
+    """A call under another autocast than the partition's would run the traced ops in other dtypes: other results
+    than the model's, and collectives of other sizes than a peer's (gloo aborts the process). Refused by name."""
+    now = autocast_state(partitioned.mesh.device_type)
+    if now != partitioned.traced_autocast:
+        raise InputError(f"{partitioned.model_name}: called under {now}, partitioned under "
+                         f"{partitioned.traced_autocast}; call it as it was partitioned on every rank, or partition "
+                         "inside the autocast you call it with")
 
 
 class _Checked(NamedTuple):
@@ -220,6 +249,8 @@ def describe_call(named: dict) -> str:
     for path, leaf in pytree.tree_flatten_with_path(named)[0]:
         if isinstance(leaf, torch.Tensor):
             described.append(argument_name(path) + str(list(leaf.shape)))
+        elif isinstance(leaf, torch.Generator):  # (seeded alike or not: its state's digest)
+            described.append(f"{argument_name(path)}=Generator({leaf.device}, state {leaf_key(leaf)[2]})")
     return ", ".join(described)
 
 
