@@ -88,7 +88,8 @@ class Partitioned:
         except Exception as error:  # every rank learns it, and none commits
             failure = error if isinstance(error, CheckpointError) else \
                 CheckpointError(f"{path}: loading failed: {type(error).__name__}: {error}")
-        agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
+        with self.guard.exclusive():  # (its exchange shares the mesh's groups with every call)
+            agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
         self.state = staged
         self.checkpoint = (path, strict)
         for child in [ref() for ref in self._children]:  # shape specialisations share the weights
@@ -241,7 +242,7 @@ class Partitioned:
         if model is None:
             raise VerificationError("verify compares with the model given to partition(), which is gone: keep a "
                                     "reference to it while verifying")
-        with method_as_forward(model, self.method):
+        with method_as_forward(model, self.method), self.guard.exclusive():
             return verify(self, model, args, kwargs, rtol=rtol, atol=atol)
 
     def report(self) -> Report:
@@ -372,9 +373,17 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
         header.append(f"process groups generation {groups.generation}")
     lines = _plan_lines(partitioned, header) if partitioned is not None else None
     agree_on_plan(groups, lines, failure)
+    # which partition: its number on these groups (two experts of one architecture, whose weights are loaded later,
+    # plan alike) and its plan
+    number = "" if groups is None else f" #{_count_built(groups)}"
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8]
-    partitioned.guard = CallGuard(groups, spec.device, identity=f"{partitioned.model_name} (plan {digest})")
+    partitioned.guard = CallGuard(groups, spec.device, identity=f"{partitioned.model_name}{number} (plan {digest})")
     return partitioned
+
+
+def _count_built(groups) -> int:
+    groups.built += 1
+    return groups.built
 
 
 def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:

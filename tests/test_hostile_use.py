@@ -86,6 +86,22 @@ def test_randomness_in_the_forward_is_refused_by_name():
         partition(model, {"tp": 2}, ((torch.randn(2, 8),), {}))
     model.eval()
     partition(model, {"tp": 2}, ((torch.randn(2, 8),), {}))  # dropout in eval mode draws nothing: planned
+    for drawing in (torch.nn.RReLU(), _AttentionDropout(0.5)):  # torch's own tag, not a list of names
+        with pytest.raises(PartitionError, match="draws random numbers"):
+            partition(torch.nn.Sequential(torch.nn.Linear(16, 16), drawing).train(), {"tp": 2},
+                      ((torch.randn(1, 4, 16),), {}))
+    partition(torch.nn.Sequential(torch.nn.Linear(16, 16), _AttentionDropout(0.0)).train(), {"tp": 2},
+              ((torch.randn(1, 4, 16),), {}))  # a probability of 0 draws nothing
+
+
+class _AttentionDropout(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        q = x.view(1, 4, 4, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.p)
 
 
 def _threads_and_crosswise(rank, world):
@@ -118,6 +134,21 @@ def _threads_and_crosswise(rank, world):
     return second, results["first"], crosswise, _error(model, compiled, inputs), _error(other, expert, inputs)
 
 
+def _dynamo_gradients(rank, world):
+    """The torch.compile frontend: an input that requires grad."""
+    torch.manual_seed(0)
+    model, x = _TakesAGenerator().eval(), torch.randn(4, 8, requires_grad=True)
+    compiled = torch.compile(model, backend="partitioner", options={"mesh": _mesh(world), "timeout": TIMEOUT})
+    out = compiled(x)
+    return (out - model(x)).abs().max().item(), attempt(lambda: out.sum().backward())
+
+
+def test_backward_through_the_torch_compile_frontend_is_refused_too():
+    for rank, (error, backward) in enumerate(run_ranks(2, _dynamo_gradients)):
+        assert error <= TOLERANCE
+        assert backward[0] == "BackwardUnsupported" and "the all_reduce" in backward[1], (rank, backward)
+
+
 def test_a_second_thread_and_crosswise_partitions_are_refused_never_mixed():
     for rank, (second, first, crosswise, after, after_expert) in enumerate(run_ranks(2, _threads_and_crosswise)):
         kind, message, seconds = second
@@ -127,7 +158,8 @@ def test_a_second_thread_and_crosswise_partitions_are_refused_never_mixed():
         for kind, message, seconds in crosswise:
             assert kind == "InputError" and "the ranks called different partitions of this mesh" in message, \
                 (rank, kind, message)
-            assert message.count("MiniMaxH3Transformer3DModel (plan ") == 2 and seconds < TIMEOUT
+            assert "MiniMaxH3Transformer3DModel #1 (plan " in message and "MiniMaxH3Transformer3DModel #2 (plan " \
+                in message and seconds < TIMEOUT
         assert after <= TOLERANCE and after_expert <= TOLERANCE
 
 

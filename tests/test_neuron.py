@@ -403,4 +403,4 @@ def test_uneven_tp16_x_ulysses4_is_legal():
     assert neuron.check(partitioned.graph_module, partitioned.mesh) == []
     heads = {n.meta["val"].shape[1] for n in partitioned.graph_module.graph.nodes
              if n.target is torch.ops.aten.scaled_dot_product_attention.default}
-    assert heads == {3, 0}  # the refiner's attention on the tp rank's 3 heads; the blocks' on none after Ulysses
+    assert heads == {0}  # every attention (the refiner's too) sequence-sharded: none of the tp rank's 3 heads left

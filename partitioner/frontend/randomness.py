@@ -9,24 +9,33 @@ import torch
 from ..errors import PartitionError
 from .trace import source_line
 
-aten = torch.ops.aten
-RANDOM_OPS = {aten.dropout, aten.native_dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout,
-              aten.bernoulli, aten.bernoulli_, aten.rand, aten.randn, aten.randint, aten.rand_like, aten.randn_like,
-              aten.randint_like, aten.normal, aten.normal_, aten.uniform, aten.uniform_, aten.multinomial,
-              aten.randperm, aten.exponential, aten.exponential_, aten.poisson, aten.rrelu_with_noise}
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: an op torch tags ``nondeterministic_seeded`` (dropout, bernoulli,
+    rand*, normal, cauchy, rrelu, an attention with dropout, ...), unless its arguments say it draws nothing (a
+    probability of 0, training off)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    given = {argument.name: argument.default_value for argument in schema.arguments if argument.has_default_value()}
+    given.update({argument.name: value for argument, value in zip(schema.arguments, node.args)})
+    given.update(node.kwargs)
+    if given.get("train", given.get("training", True)) is False:
+        return False
+    probability = given.get("p", given.get("dropout_p"))
+    return not (isinstance(probability, (int, float)) and probability == 0)
 
 
 def refuse_randomness(gm: torch.fx.GraphModule, model_name: str) -> None:
     for node in gm.graph.nodes:
-        packet = getattr(node.target, "overloadpacket", None)
-        if node.op != "call_function" or packet not in RANDOM_OPS:
+        if not _draws(node):
             continue
-        if packet in (aten.dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout) and \
-                not (len(node.args) > 2 and node.args[2] and node.args[1]):
-            continue  # dropout with p=0 or train=False draws nothing
         stack = list((node.meta.get("nn_module_stack") or {}).values())
-        where = stack[-1][0] if stack else "the model"
-        raise PartitionError(f"{model_name} draws random numbers in its forward ({packet.__name__} in {where}, "
-                             f"{source_line(node)}): each rank would draw its own, so ranks would compute different "
-                             "values; call model.eval() before partition (dropout draws nothing in eval mode), or "
-                             "run the randomness outside the model and pass its result in")
+        where = (stack[-1][0] if stack else "") or "its forward"
+        raise PartitionError(f"{model_name} draws random numbers in its forward "
+                             f"({node.target.overloadpacket.__name__} in {where}, {source_line(node)}): each rank "
+                             "would draw its own, so ranks would compute different values; call model.eval() before "
+                             "partition (dropout draws nothing in eval mode), or run the randomness outside the model "
+                             "and pass its result in")

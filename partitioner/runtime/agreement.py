@@ -48,6 +48,7 @@ DEFAULT_TIMEOUT = 60.0  # seconds; partition(..., timeout=) overrides
 class _Meshes:
     """What this rank keeps per default process group (dropped with it: a group made after destroy_process_group
     starts afresh, even where Python reuses the old one's id)."""
+    epoch: int  # which default group this is on the store (a store can outlive groups: torchrun's agent store)
     groups: dict[tuple, "RankGroups"] = field(default_factory=dict)  # costly to create: reused across partitions
     rounds: dict[tuple, int] = field(default_factory=dict)  # how many times this rank met its peers, per mesh
 
@@ -69,6 +70,7 @@ class RankGroups:
     # held by the thread running a call on these groups: a second thread's call is refused, not interleaved
     calls: threading.RLock = field(default_factory=threading.RLock, compare=False, repr=False)
     owned: list[weakref.ref] = field(default_factory=list, repr=False)  # this rank's groups, destroyed if replaced
+    built: int = 0  # partitions agreed on these groups (in the same order on every rank): each one's number
 
     @property
     def world(self) -> dist.ProcessGroup | None:
@@ -103,7 +105,10 @@ def bounded_groups(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...], tim
     except (RuntimeError, ValueError) as error:
         raise CollectiveTimeout(f"no default process group to partition on ({_first_line(error)}): call "
                                 "torch.distributed.init_process_group on every rank first") from None
-    meshes = _BY_DEFAULT_GROUP.setdefault(default, _Meshes())
+    meshes = _BY_DEFAULT_GROUP.get(default)
+    if meshes is None:  # every rank counts itself in once per default group: the same epoch on every rank
+        arrivals = dist.distributed_c10d._get_default_store().add("partitioner/epochs", 1)
+        meshes = _BY_DEFAULT_GROUP[default] = _Meshes(epoch=(arrivals - 1) // dist.get_world_size())
     key = (axis_names, axis_sizes, float(timeout))
     cached = meshes.groups.get(key)
     mine = (cached.generation if cached is not None else 0, cached is None or cached.stale, float(timeout))
@@ -161,7 +166,7 @@ def _meet(meshes: _Meshes, key: tuple, value: tuple[int, bool, float], timeout: 
     mesh = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
     while True:
         meshes.rounds[key] = round_ = meshes.rounds.get(key, 0) + 1
-        prefix = f"partitioner/groups/{mesh}/{round_}/"
+        prefix = f"partitioner/groups/{meshes.epoch}/{mesh}/{round_}/"
         state = prefix + "state"
         if store.check([state]) and store.get(state) == b"abandoned":
             continue  # its peers gave up on this round before this rank came: their next partition() is the next

@@ -38,7 +38,7 @@ class _RefuseBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, reason: str, anchors: int, *tensors):
         ctx.reason = reason
-        return tuple(tensor.view_as(tensor) for tensor in tensors[anchors:])
+        return tuple(tensor.detach() for tensor in tensors[anchors:])  # (not views: callers may edit them in place)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -32,7 +32,7 @@ from ..errors import InputError, TraceError
 from ..frontend.padding import pad_named
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, leaf_key, same_constant, value_digest
-from .program import CompiledPartition, call_arguments, describe_call, input_names
+from .program import CompiledPartition, call_arguments, check_autocast, describe_call, input_names
 
 log = logging.getLogger("partitioner")
 
@@ -137,6 +137,7 @@ class PartitionedModule(torch.nn.Module):
         compiled = checked = bucketed = key = problem = None
         agreement, describe = dict(signature=0), None
         try:
+            check_autocast(self._partitioned)  # (before a specialisation could be built for such a call)
             if self.training != self._partitioned.traced_training:
                 modes = {True: "training mode", False: "eval mode"}
                 raise InputError(f"{owner}: called in {modes[self.training]}, partitioned in "
