@@ -88,6 +88,7 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
     ``SEQUENCE_MESHES``, with the first reason one is left whole."""
     from partitioner.errors import DataDependentNumber, PartitionerError, TraceError
     from partitioner.frontend.trace import trace
+    from partitioner.frontend.pipeline_inputs import meta_floats
     from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
 
     heads = " | ".join(f"{axis}={n}" for axis, n in SEQUENCE_MESHES)
@@ -101,7 +102,7 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
                 continue
             model = build(name, full=True)
             params = sum(p.numel() for p in model.parameters())
-            args, kwargs = _meta_inputs(ZOO[name].make_inputs(config(name, full=True), 0, **shape))
+            args, kwargs = meta_floats(ZOO[name].make_inputs(config(name, full=True), 0, **shape))
             start = time.perf_counter()
             try:
                 with warnings.catch_warnings():
@@ -125,17 +126,6 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
             lines.append(f"| {name} | {label} | {params / 1e9:.1f}B | " + " | ".join(cells) + f" | {seconds:.0f} |")
             print(lines[-1], flush=True)
     return lines
-
-
-def _meta_inputs(example):
-    """Float inputs on the meta device; masks and ids keep their values (a model that reads them is traced for
-    them, value_specialization; trace moves them to meta after reading them)."""
-    import torch
-
-    args, kwargs = example
-    to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
-    return (tuple(to_meta(a) for a in args),
-            {k: torch.utils._pytree.tree_map(to_meta, v) for k, v in kwargs.items()})
 
 
 def _copy(traced, copy_graph_module):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, MeshError, NotFound, PartitionerError
+from .errors import InputError, MeshError, NotFound, PartitionerError, TraceError
 from .frontend.model_source import build_model
 from .frontend.pipeline_inputs import pipeline_example
 from .frontend.trace import trace
@@ -108,14 +108,25 @@ def _model(args, weights: str = "meta") -> torch.nn.Module:
     return build_model(args.model, args.config, args.pretrained, dtype=getattr(torch, args.dtype), weights=weights)
 
 
-def _example(args, model: torch.nn.Module):
+def _example(args, model: torch.nn.Module, meta: bool = True):
     """The inputs ``model`` is planned with: H3 at ``--seq-len`` packed rows, else as its pipeline builds them."""
     dtype = getattr(torch, args.dtype)
     if args.seq_len is not None:
         return planner.example_inputs(model, args.seq_len, dtype)
-    args_, kwargs = pipeline_example(model, args.preset, **args.size)
+    args_, kwargs = pipeline_example(model, args.preset, meta=meta, **args.size)
     cast = lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
     return tuple(map(cast, args_)), {k: torch.utils._pytree.tree_map(cast, v) for k, v in kwargs.items()}
+
+
+def _with_example(args, model: torch.nn.Module, use):
+    """``use(example)`` with float inputs on meta; again with real ones where the model branches on their values
+    (a Python branch on a float input is traced for the example's values: ``docs/data-dependent.md``)."""
+    try:
+        return use(_example(args, model))
+    except TraceError:
+        if args.seq_len is not None or not any(p.is_meta for p in model.parameters()):
+            raise
+        return use(_example(args, model, meta=False))
 
 
 def report(args) -> int:
@@ -127,7 +138,7 @@ def report(args) -> int:
                                   link_gbps=args.link_gbps)
     memory = planner.parse_bytes(args.device_memory) if args.device_memory else profile.memory_bytes
     model = _model(args)
-    traced = trace(model, _example(args, model))
+    traced = _with_example(args, model, lambda example: trace(model, example))
     name = type(model).__name__
     if args.search:
         estimates = planner.search(traced, name, args.devices, profile, memory, ring=not args.no_ring,
@@ -152,7 +163,7 @@ def plan(args) -> int:
     from .plans import Plan
 
     model = _model(args)
-    partitioned = partition(model, args.mesh, _example(args, model), rank=args.rank)
+    partitioned = _with_example(args, model, lambda example: partition(model, args.mesh, example, rank=args.rank))
     decided = Plan.of(partitioned)
     if args.json:
         print(decided.to_json())
@@ -183,9 +194,8 @@ def dump(args) -> int:
         if not 0 <= rank < world:
             raise MeshError(f"--ranks {rank} is outside the mesh {args.mesh} of {world} ranks")
     model = _model(args)
-    example = _example(args, model)
     for rank in ranks:
-        partition(model, args.mesh, example, rank=rank, dump_dir=args.out)
+        _with_example(args, model, lambda example: partition(model, args.mesh, example, rank=rank, dump_dir=args.out))
         print(f"wrote {Path(args.out) / f'rank{rank}'}", file=sys.stderr)
     return 0
 

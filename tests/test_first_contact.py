@@ -58,6 +58,7 @@ def test_plan_of_a_diffusers_model_named_by_class_at_its_pipeline_sizes(run_cli,
     assert result.returncode == 0 and "colwise" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_dumps_of_two_runs_are_equal_and_each_rank_has_its_folder(run_cli, tmp_path):
     args = ["dump", *TWO_BLOCK_FLUX, "--mesh", "tp=3", "--size", "text=7,height=8,width=8", "--dtype", "float32"]
     for run in ("a", "b"):

@@ -143,12 +143,14 @@ def _dynamo_gradients(rank, world):
     return (out - model(x)).abs().max().item(), attempt(lambda: out.sum().backward())
 
 
+@pytest.mark.slow
 def test_backward_through_the_torch_compile_frontend_is_refused_too():
     for rank, (error, backward) in enumerate(run_ranks(2, _dynamo_gradients)):
         assert error <= TOLERANCE
         assert backward[0] == "BackwardUnsupported" and "the all_reduce" in backward[1], (rank, backward)
 
 
+@pytest.mark.slow
 def test_a_second_thread_and_crosswise_partitions_are_refused_never_mixed():
     for rank, (second, first, crosswise, after, after_expert) in enumerate(run_ranks(2, _threads_and_crosswise)):
         kind, message, seconds = second
@@ -191,6 +193,7 @@ def _interrupt_then_destroy(rank, world, rendezvous):
     return outcome, stale, _error(model, again, inputs), PartitionUnusable.__name__
 
 
+@pytest.mark.slow
 def test_an_interrupt_stays_one_and_a_destroyed_group_makes_the_partition_unusable(tmp_path):
     results = run_ranks(2, _interrupt_then_destroy, str(tmp_path / "rendezvous"))
     (interrupted, stale0, error0, unusable), (peer, stale1, error1, _) = results
@@ -209,6 +212,7 @@ def _different_timeouts(rank, world):
     return refused, _error(model, compiled, inputs)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_timeouts_are_refused_naming_both():
     for rank, (refused, error) in enumerate(run_ranks(2, _different_timeouts)):
         kind, message, seconds = refused
@@ -305,6 +309,7 @@ def _generators(rank, world):
     return alike, seeded_apart, len(compiled.specializations)
 
 
+@pytest.mark.slow
 def test_a_generator_argument_is_compared_by_its_state_not_its_address():
     """Each rank's generator is another object (its repr holds its address): compared by device and state, the
     documented call (generator=torch.Generator().manual_seed(0)) is exact on every rank and served by the traced

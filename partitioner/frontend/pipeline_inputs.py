@@ -504,11 +504,13 @@ BUILDERS = {  # diffusers class name -> its input builder
 }
 
 
-def pipeline_example(model: torch.nn.Module, preset: str | None = None, seed: int = 0, **sizes) -> tuple[tuple, dict]:
+def pipeline_example(model: torch.nn.Module, preset: str | None = None, seed: int = 0, *, meta: bool = True,
+                     **sizes) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``model`` (a diffusers transformer, on any device) as its pipeline builds them: at the
     sizes of ``preset`` (a key of ``PIPELINE_SIZES[class]``; by default its first, the pipeline's usual
-    resolution), each overridden by ``sizes``. Float inputs are on the meta device when the model is (ids and masks
-    keep their values: a model that reads them is traced for them)."""
+    resolution), each overridden by ``sizes``. With ``meta``, float inputs are on the meta device when the model is
+    (ids and masks keep their values: a model that reads them is traced for them; a model that branches on a float
+    input's values needs them real: ``meta=False``)."""
     name = type(model).__name__
     if name not in BUILDERS:
         raise InputError(f"no input builder is known for {name}{did_you_mean(name, BUILDERS)}; classes with one: "
@@ -525,7 +527,7 @@ def pipeline_example(model: torch.nn.Module, preset: str | None = None, seed: in
                          f"{known}")
     chosen = {**(presets[preset] if preset else next(iter(presets.values()), {})), **sizes}
     args, kwargs = builder(dict(model.config), seed, **chosen)
-    on_meta = any(p.is_meta for p in model.parameters())
+    on_meta = meta and any(p.is_meta for p in model.parameters())
     return meta_floats((args, kwargs)) if on_meta else (args, kwargs)
 
 
