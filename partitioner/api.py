@@ -23,6 +23,7 @@ from .passes.plan_sequence import warn_whole_attentions
 from .plans import Plan
 from .runtime.agreement import DEFAULT_TIMEOUT, bounded_groups
 from .runtime.fingerprints import check_fingerprint, weights_digest
+from .runtime.gradients import marked_to_train
 
 
 def _compute_meta_buffers(model: torch.nn.Module, traced: Traced) -> None:
@@ -107,20 +108,13 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
-    partitioned.trainable = _marked_trainable(model)
+    partitioned.trainable = marked_to_train([p.requires_grad for p in model.parameters()], model.training)
     partitioned.traced_training = model.training
     partitioned.skeleton = _skeleton(model)
     partitioned.model_config = getattr(model, "config", None)
     partitioned.model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     partitioned.seconds["partition"] = time.perf_counter() - start
     return partitioned
-
-
-def _marked_trainable(model: torch.nn.Module) -> bool:
-    """Whether the user marked weights to train: some frozen and others not (LoRA adapters on a frozen base), or
-    the model in training mode. (Every weight requires grad by default, also in inference: that marks nothing.)"""
-    wants = [p.requires_grad for p in model.parameters()]
-    return any(wants) and (model.training or not all(wants))
 
 
 def trace_bucketed(model: torch.nn.Module, example_inputs, buckets: dict, partition_with):

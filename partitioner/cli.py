@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def verify(args) -> int:
 
     if "WORLD_SIZE" not in os.environ:
         raise InputError("verify runs one process per rank: launch it with torchrun --nproc-per-node "
-                         f"{max(1, _world(args.mesh))} -m partitioner verify ...")
+                         f"{math.prod(args.mesh.values())} -m partitioner verify ...")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
@@ -231,13 +232,6 @@ def verify(args) -> int:
     finally:
         dist.destroy_process_group()
     return 0
-
-
-def _world(mesh: dict[str, int]) -> int:
-    size = 1
-    for n in mesh.values():
-        size *= n
-    return size
 
 
 def _write_html(path: str, traced, name: str, best: planner.LayoutEstimate) -> None:
@@ -280,7 +274,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     pln = commands.add_parser("plan", help="one rank's plan: every decision, its memory and collectives")
     _add_model_source(pln)
-    pln.add_argument("--mesh", type=_mesh, required=True, help=f"axis sizes from {list(KNOWN_AXES)}, e.g. tp=2,ulysses=2")
+    pln.add_argument("--mesh", type=_mesh, required=True,
+                     help=f"axis sizes from {list(KNOWN_AXES)}, e.g. tp=2,ulysses=2")
     pln.add_argument("--rank", type=int, default=0)
     pln.add_argument("--json", action="store_true", help="the Plan as JSON (Plan.from_json reads it)")
     pln.add_argument("--html", help="also write the plan as a self-contained HTML picture")

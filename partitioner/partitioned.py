@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from . import backends
-from .errors import (BackendError, did_you_mean, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
-                     PartitionError, VerificationError, our_step)
+from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
+                     PartitionError, VerificationError, did_you_mean, our_step)
 from .frontend.padding import parse_buckets
 from .frontend.randomness import refuse_randomness
 from .frontend.trace import Traced, copy_graph_module, trace
@@ -26,15 +26,15 @@ from .passes import PLAN, TO_RANK, run_passes
 from .passes.context import Overlap, PassContext
 from .passes.runner import collector_skips_what_exists
 from .planning.dump import Dumper
-from .progress import bar
 from .planning.plan_view import write_html
 from .planning.report import Report, build_report, collective_stats
 from .plans import Plan
-from .runtime.agreement import CallGuard, agree_on_plan, agree_on_staging, plan_lines
+from .progress import bar
+from .runtime.agreement import CallGuard, PartitionIdentity, agree_on_plan, agree_on_staging, plan_lines
 from .runtime import collectives
 from .runtime.checkpoint import load_shards
 from .runtime.fingerprints import check_fingerprint
-from .runtime.program import autocast_state, input_names, place_graph_on
+from .runtime.program import autocast_dtype, input_names, place_graph_on
 from .runtime.weights import shard_state
 
 
@@ -56,7 +56,7 @@ class Partitioned:
         self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
         self.trainable = False  # the model had weights that require grad (partition() sets it)
         self.traced_training = False  # the model's mode when traced: a call in the other mode is refused
-        self.traced_autocast = autocast_state(ctx.mesh.device_type)  # the autocast it was traced under
+        self.traced_autocast = autocast_dtype(ctx.mesh.device_type)  # the autocast it was traced under (or None)
         self.source = None  # weak reference to the model, for verify()
         self.skeleton = None  # the model on the meta device, traced again for other call shapes (specialize)
         self.method = "forward"  # the model's method traced as the entry (a VAE's "decode")
@@ -375,15 +375,12 @@ def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
     agree_on_plan(groups, lines, failure)
     # which partition: its number on these groups (two experts of one architecture, whose weights are loaded later,
     # plan alike) and its plan
-    number = "" if groups is None else f" #{_count_built(groups)}"
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8]
-    partitioned.guard = CallGuard(groups, spec.device, identity=f"{partitioned.model_name}{number} (plan {digest})")
+    if groups is not None:
+        groups.built += 1
+    identity = PartitionIdentity(partitioned.model_name, groups.built if groups is not None else 0,
+                                 hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8])
+    partitioned.guard = CallGuard(groups, spec.device, identity=identity)
     return partitioned
-
-
-def _count_built(groups) -> int:
-    groups.built += 1
-    return groups.built
 
 
 def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:

@@ -19,15 +19,14 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from types import SimpleNamespace
 
 import torch
 from torch.export.graph_signature import InputKind
 
 from ..errors import InputError
-from ..runtime.agreement import DEFAULT_TIMEOUT, describe_collective
+from ..runtime.agreement import DEFAULT_TIMEOUT
 from ..runtime.fingerprints import call_signature, check_fingerprint
-from ..runtime.gradients import backward_reason, refusing_backward, wants_gradients
+from ..runtime.gradients import backward_reason, marked_to_train, refusing_backward, wants_gradients
 from .trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 
 _KEY = re.compile(r"\['([^']+)'\]")
@@ -78,17 +77,15 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     tensors = dict(zip([gi.target for gi in inputs if gi.is_model_tensor], tensors()))
     # dynamo interleaves parameters and activations: per graph input, this rank's shard or the call's argument
     sources = [(None, tensors[gi.target]) if gi.kind != "user" else (gi.target, None) for gi in inputs]
-    example_flags = [SimpleNamespace(requires_grad=isinstance(value, torch.Tensor) and value.requires_grad)
-                     for value in example_inputs]
+    # weights marked to train: dynamo hands the model's own parameters in as inputs
+    trainable = marked_to_train([value.requires_grad for (position, _), value in zip(sources, example_inputs)
+                                 if position is None and isinstance(value, torch.Tensor)], gm.training)
     del example_inputs, tensors, build  # keep no reference to the full parameters (but XLA's, which it runs)
     preflight = Preflight(partitioned.planned_graph, inputs, [f"input {i}" for i in range(len(sources))])
     guard = partitioned.guard
     guard.fingerprint = check_fingerprint(options.get("input_fingerprint", "sample"))
 
-    # weights marked to train (some frozen, others not): dynamo hands the model's own parameters in as inputs
-    wants = [value.requires_grad for (position, _), value in zip(sources, example_flags) if position is None]
-    trainable = any(wants) and not all(wants)
-    reason = backward_reason(type(gm).__name__, partitioned.graph_module, describe_collective)
+    reason = backward_reason(type(gm).__name__, partitioned.graph_module)
 
     def run(*args):
         with guard.exclusive():

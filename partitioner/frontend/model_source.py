@@ -63,10 +63,10 @@ def build_model(name: str | None, config_items: list[str] = (), pretrained: str 
         raise InputError("name the model: --model CLASS (e.g. FluxTransformer2DModel), or a config whose "
                          "'_class_name' names it (--config config.json, --pretrained FOLDER)")
     cls = model_class(name)
-    unknown = sorted(set(config) - set(cls._get_init_keys(cls)) - {k for k in config if k.startswith("_")})
+    keys = cls._get_init_keys(cls)
+    unknown = sorted(set(config) - set(keys) - {k for k in config if k.startswith("_")})
     if unknown:
-        raise InputError(f"{cls.__name__} takes no config key {unknown[0]!r}"
-                         f"{did_you_mean(unknown[0], cls._get_init_keys(cls))}")
+        raise InputError(f"{cls.__name__} takes no config key {unknown[0]!r}{did_you_mean(unknown[0], keys)}")
     if weights == "pretrained":
         if not pretrained:
             raise InputError("real weights need --pretrained FOLDER")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import traceback
 import types
 
@@ -433,7 +434,7 @@ def method_as_forward(model: torch.nn.Module, method: str):
         return
     function = getattr(type(model), method, None)  # the class's: an instance may hold a stand-in for it
     if not callable(function) or method.startswith("_"):
-        public = [name for name in dir(type(model)) if not name.startswith("_") and callable(getattr(type(model), name))]
+        public = [name for name, member in inspect.getmembers(type(model), callable) if not name.startswith("_")]
         raise InputError(f"{type(model).__name__} has no public method {method!r} to trace"
                          f"{did_you_mean(method, public)}; give method= the name of one, e.g. 'decode'")
     with forward_replaced(model, types.MethodType(function, model)):

@@ -275,12 +275,24 @@ def _around_difference(a: str, b: str, width: int = 400) -> tuple[str, str]:
     return cut(a), cut(b)
 
 
+@dataclass(frozen=True)
+class PartitionIdentity:
+    """Which partition a call is of: two partitions of one mesh share its groups (two experts), and a call of one on
+    a rank while its peer calls the other must be refused."""
+    model: str
+    number: int  # its place among the partitions agreed on these groups (0 without groups)
+    plan: str  # a digest of the plan the ranks agreed on
+
+    def __str__(self) -> str:
+        return f"{self.model}{f' #{self.number}' if self.number else ''} (plan {self.plan})"
+
+
 class CallGuard:
     """Wraps every call of a lowered program: ``agree`` before the first collective, ``running`` around it.
     ``fingerprint``: how each call's input values are compared between ranks ("sample", "full" or "off")."""
 
     def __init__(self, groups: RankGroups | None, device: torch.device, fingerprint: str = "sample",
-                 identity: str = ""):
+                 identity: PartitionIdentity | None = None):
         self.groups = groups
         self.device = device if groups is not None and dist.get_backend(groups.world) != "gloo" else \
             torch.device("cpu")
@@ -297,9 +309,9 @@ class CallGuard:
             yield
             return
         if not self.groups.calls.acquire(blocking=False):
-            raise ConcurrentCall(f"{self.identity.split(' ')[0] or 'this partition'}: another thread is running a "
-                                 "call on this mesh's process groups; call each mesh's partitions from one thread "
-                                 "per rank (one call at a time)")
+            who = self.identity.model if self.identity else "this partition"
+            raise ConcurrentCall(f"{who}: another thread is running a call on this mesh's process groups; call each "
+                                 "mesh's partitions from one thread per rank (one call at a time)")
         try:
             yield
         finally:
@@ -337,7 +349,7 @@ class CallGuard:
         status[rank, 0] = int(problem is not None)
         status[rank, 1] = _number(f"{signature} {self.fingerprint}") if problem is None else 0
         status[rank, 2] = _number(f"{marker} {digest}") if problem is None else 0
-        status[rank, 3] = _number(self.identity)
+        status[rank, 3] = _number(str(self.identity))
         try:
             dist.all_reduce(status, group=self.group)
         except RuntimeError as error:
@@ -347,7 +359,7 @@ class CallGuard:
                                     f"({_first_line(error)}); every rank must make every call") from error
         status = status.cpu()
         if len(set(status[:, 3].tolist())) > 1:  # two partitions of one mesh, called crosswise: nothing else matters
-            called = _exchange(self.groups, self.identity, "the input agreement")
+            called = _exchange(self.groups, str(self.identity), "the input agreement")
             raise InputError("the ranks called different partitions of this mesh at once ("
                              + "; ".join(f"rank {r}: {who}" for r, who in enumerate(called))
                              + "); every rank must call the mesh's partitions in the same order")
@@ -472,5 +484,5 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "RankGroups", "agree_on_plan", "agree_on_staging", "bounded_groups",
+__all__ = ["CallGuard", "DEFAULT_TIMEOUT", "PartitionIdentity", "RankGroups", "agree_on_plan", "agree_on_staging", "bounded_groups",
            "plan_lines"]

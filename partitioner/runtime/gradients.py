@@ -12,6 +12,12 @@ import torch
 from ..errors import BackwardUnsupported
 
 
+def marked_to_train(requires_grad: list[bool], training: bool) -> bool:
+    """Whether the user marked weights to train: some frozen and others not (LoRA adapters on a frozen base), or a
+    model in training mode. (Every weight requires grad by default, also in inference: that marks nothing.)"""
+    return any(requires_grad) and (training or not all(requires_grad))
+
+
 def wants_gradients(inputs: list, trainable: bool) -> bool:
     """Whether a call would build an autograd graph on an unpartitioned model: grad mode on, and an input that
     requires grad or weights marked to train (``trainable``: LoRA adapters on a frozen base, a model in training
@@ -45,15 +51,16 @@ class _RefuseBackward(torch.autograd.Function):
         raise BackwardUnsupported(ctx.reason)
 
 
-def backward_reason(owner: str, program: torch.fx.GraphModule, describe_collective) -> str:
-    """Why ``backward`` through ``program`` is refused, naming its first collective."""
+def backward_reason(owner: str, program: torch.fx.GraphModule) -> str:
+    """Why ``backward`` through ``program`` is refused, naming its first collective and the module that made it."""
+    from ..passes.annotate_heads import module_path
+    from .agreement import describe_collective
     from .collectives import STARTS
 
     first = next((node for node in program.graph.nodes if "collective" in node.meta or node.target in STARTS), None)
     where = describe_collective(first) if first is not None else "this rank's program, whose weights are detached"
-    stack = list((first.meta.get("nn_module_stack") or {}).values()) if first is not None else []
-    if stack:
-        where += f" (in {stack[-1][0]})"
+    if first is not None and module_path(first):
+        where += f" (in {module_path(first)})"
     return (f"{owner}: backward through a partitioned program is not supported yet: {where} has no exact backward "
             "here (a collective's backward must not sum again, a rank's slice must gather its gradient); the forward "
             "ran exact. Call the model under torch.no_grad() (inference), or train the unpartitioned model")

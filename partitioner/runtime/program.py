@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import sympy
@@ -11,8 +12,7 @@ import torch.utils._pytree as pytree
 from ..errors import InputError
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
-from .agreement import describe_collective
-from .fingerprints import call_signature, leaf_key, same_constant
+from .fingerprints import call_signature, same_constant, value_digest
 from .gradients import backward_reason, refusing_backward, wants_gradients
 
 
@@ -64,6 +64,10 @@ class CompiledPartition:
                 self.padded.setdefault(self.user_index[position], {})[dim] = shape[dim]
         self.preflight = Preflight(partitioned.planned_graph, partitioned.ctx.inputs, names,
                                    partitioned.ctx.padding_reads)
+
+    @functools.cached_property
+    def backward_reason(self) -> str:
+        return backward_reason(self.owner, self.partitioned.graph_module)
 
     @property
     def state(self) -> list[torch.Tensor]:
@@ -198,8 +202,7 @@ class CompiledPartition:
         with self.guard.running([self.partitioned.graph_module, self.lowered]), torch.no_grad():
             out = list(self.lowered(*self.tensors(), *checked.user, *checked.hosted))
         if gradients:  # never a silent wrong gradient: backward is refused by name
-            out = refusing_backward(out, checked.flat, backward_reason(self.owner, self.partitioned.graph_module,
-                                                                       describe_collective))
+            out = refusing_backward(out, checked.flat, self.backward_reason)
         for index, dim, expression in self.host.trims if self.host is not None else ():
             out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(checked.sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
@@ -208,21 +211,22 @@ class CompiledPartition:
         return result
 
 
-def autocast_state(device_type: str) -> str:
-    """The autocast a call is made under on ``device_type``, in words ("no autocast", "autocast(cpu, bfloat16)")."""
-    if not torch.is_autocast_enabled(device_type):
-        return "no autocast"
-    return f"autocast({device_type}, {str(torch.get_autocast_dtype(device_type)).removeprefix('torch.')})"
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype a call made now is autocast to on ``device_type``; None without autocast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def check_autocast(partitioned) -> None:
     """A call under another autocast than the partition's would run the traced ops in other dtypes: other results
     than the model's, and collectives of other sizes than a peer's (gloo aborts the process). Refused by name."""
-    now = autocast_state(partitioned.mesh.device_type)
+    device_type = partitioned.mesh.device_type
+    now = autocast_dtype(device_type)
     if now != partitioned.traced_autocast:
-        raise InputError(f"{partitioned.model_name}: called under {now}, partitioned under "
-                         f"{partitioned.traced_autocast}; call it as it was partitioned on every rank, or partition "
-                         "inside the autocast you call it with")
+        said = {dtype: f"autocast({device_type}, {str(dtype).removeprefix('torch.')})" if dtype else "no autocast"
+                for dtype in (now, partitioned.traced_autocast)}
+        raise InputError(f"{partitioned.model_name}: called under {said[now]}, partitioned under "
+                         f"{said[partitioned.traced_autocast]}; call it as it was partitioned on every rank, or "
+                         "partition inside the autocast you call it with")
 
 
 class _Checked(NamedTuple):
@@ -250,7 +254,7 @@ def describe_call(named: dict) -> str:
         if isinstance(leaf, torch.Tensor):
             described.append(argument_name(path) + str(list(leaf.shape)))
         elif isinstance(leaf, torch.Generator):  # (seeded alike or not: its state's digest)
-            described.append(f"{argument_name(path)}=Generator({leaf.device}, state {leaf_key(leaf)[2]})")
+            described.append(f"{argument_name(path)}=Generator({leaf.device}, state {value_digest(leaf.get_state())})")
     return ", ".join(described)
 
 
