@@ -90,6 +90,10 @@ class Partitioned:
                 CheckpointError(f"{path}: loading failed: {type(error).__name__}: {error}")
         with self.guard.exclusive():  # (its exchange shares the mesh's groups with every call)
             agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
+        for name, weight in self.state.items():  # weights in training keep their identity (an optimizer holds them)
+            if isinstance(weight, torch.nn.Parameter) and name in staged:
+                weight.data = staged[name].to(weight.dtype)
+                staged[name] = weight
         self.state = staged
         self.checkpoint = (path, strict)
         for child in [ref() for ref in self._children]:  # shape specialisations share the weights
@@ -149,6 +153,17 @@ class Partitioned:
         specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
         self._children.append(weakref.ref(specialized))
         return specialized
+
+    def train_weights(self, names) -> None:
+        """This rank's tensors of the weights ``names`` (those the model marks to train) as parameters, sharded as the
+        weights are, copies (an optimizer stepping them must not write into the model's own weights)."""
+        for name in set(names) & self.state.keys():
+            if not isinstance(self.state[name], torch.nn.Parameter):
+                self.state[name] = torch.nn.Parameter(self.state[name].clone(), requires_grad=True)
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters ``train_weights`` made, by the model's names."""
+        return {name: t for name, t in self.state.items() if isinstance(t, torch.nn.Parameter)}
 
     def rank_tensors(self) -> list[torch.Tensor]:
         """This rank's tensors in the order the program takes them: what compiled callables read at every call, so

@@ -11,7 +11,9 @@ A backend is a lowering. It takes one of two graphs:
 (``collectives``: the plan's collective counts, for a backend that checks what it was given against them). The
 callable may carry ``check_inputs(*inputs)``, which the runtime calls before a call's first collective (so that a
 refusal is agreed by every rank), and ``stats``. ``check(graph, mesh, **options)`` runs the backend's legality rules
-on any machine and returns the graph it checked (``partition(..., backend_checks=...)``).
+on any machine and returns the graph it checked (``partition(..., backend_checks=...)``). ``train(graph,
+**options)``, where a backend has it, lowers the training copy of a rank program (``passes.differentiate``), whose
+backward autograd records; a backend without it refuses ``backward`` by name.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Backend:
     lower: Callable
     options: tuple[str, ...] = ()  # the keyword options ``lower`` takes
     check: Callable | None = None  # offline legality rules
+    train: Callable | None = None  # (training_graph, **options) -> callable; None: the backend runs inference only
 
     def validate(self, options: dict) -> None:
         unknown = sorted(set(options) - set(self.options))

@@ -138,4 +138,12 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
     return run_regions
 
 
-register(Backend("inductor", "rank", lower, options=("regional", "compile_glue")))
+def train(gm: GraphModule, *, regional: bool = True, compile_glue: bool = False):
+    """The training copy of a rank program under ``torch.compile``: AOTAutograd derives its backward (the paired
+    collectives' own) and Inductor compiles both, whole (regions are an inference-time saving)."""
+    del regional, compile_glue
+    eager_code = GraphModule(gm, gm.graph)  # (dynamo does not trace a lazily written GraphModule's forward)
+    return torch.compile(eager_code, backend="inductor", fullgraph=True, dynamic=False)
+
+
+register(Backend("inductor", "rank", lower, options=("regional", "compile_glue"), train=train))

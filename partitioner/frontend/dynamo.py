@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import InputError
 from ..runtime.agreement import DEFAULT_TIMEOUT
 from ..runtime.fingerprints import call_signature, check_fingerprint
-from ..runtime.gradients import backward_reason, marked_to_train, refusing_backward, wants_gradients
+from ..runtime.gradients import frontend_reason, marked_to_train, refusing_backward, wants_gradients
 from .trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize
 
 _KEY = re.compile(r"\['([^']+)'\]")
@@ -85,7 +85,7 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     guard = partitioned.guard
     guard.fingerprint = check_fingerprint(options.get("input_fingerprint", "sample"))
 
-    reason = backward_reason(type(gm).__name__, partitioned.graph_module)
+    reason = frontend_reason(type(gm).__name__)
 
     def run(*args):
         with guard.exclusive():

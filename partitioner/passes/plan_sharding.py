@@ -115,6 +115,37 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
     return result
 
 
+def _low_rank_branches(sweep: _Propagation, roles: LinearRoles) -> dict[Node, str]:
+    """Column seeds to drop where a column -> row pair ends in a sum that is sharded again: a low-rank branch added to
+    a column-sharded projection (a LoRA ``B(A(x)) * scale`` beside its base layer). Sharding A by columns makes B
+    row-wise, and its Partial output needs an all_reduce to join the column shard; with A whole, B is a column shard
+    like its base layer and the branch needs no collective."""
+    found = {}
+    for node, decision in sweep.decisions.items():
+        for source, required in decision.inputs.items():
+            if not is_sharded(required) or is_sharded(sweep.placements.get(source)):
+                continue  # (a whole or partial value read as a shard: sliced locally after its sum)
+            row = _single_source(source, lambda n: n.target is aten.linear.default
+                                 and isinstance(sweep.placements.get(n), Partial))
+            column = None if row is None else _single_source(
+                row.args[0], lambda n: n in roles.colwise and n not in roles.forced)
+            if column is not None:
+                found.setdefault(column, f"{node.name}: a low-rank branch ({column.name} -> {row.name}) joins a "
+                                         "column shard; kept whole, the branch is column-sharded with no collective")
+    return found
+
+
+def _single_source(node: Node, wanted) -> Node | None:
+    """The node ``wanted`` picks, found from ``node`` back through ops of one tensor input (a scaling, a dropout);
+    None where the chain branches (or starts) first."""
+    while not wanted(node):
+        inputs = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        if len(inputs) != 1 or node.op != "call_function":
+            return None
+        node = inputs[0]
+    return node
+
+
 def _refined_packing(current: tuple[int, ...] | None, total: int, request: tuple[int, ...]) -> tuple[int, ...] | None:
     """The seed's packed blocks with a split request's cuts added. A request is in the coordinates of the value that
     is split: the seed's whole output, or one piece of it (a fused qkv + MLP projection split in two, then the qkv
@@ -210,14 +241,15 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             units={node: ctx.unit_overrides[path] for node, path in paths.items() if path in ctx.unit_overrides})
         while True:
             sweep = _propagate(gm, roles, gathered, degree)
-            reasons.update(sweep.failed)
-            roles.colwise -= set(sweep.failed)
+            failed = sweep.failed or _low_rank_branches(sweep, roles)
+            reasons.update(failed)
+            roles.colwise -= set(failed)
             new_packing = {n: b for n, b in sweep.packing.items() if roles.packed.get(n) != b}
             roles.packed.update(new_packing)
             roles.units.update(sweep.units)
             new_gathered = sweep.failed_forced - gathered
             gathered |= new_gathered
-            if not (sweep.failed or new_packing or sweep.units or new_gathered):
+            if not (failed or new_packing or sweep.units or new_gathered):
                 break
         for linear in linears:
             if (linear not in forced and sweep.decisions[linear].output == R

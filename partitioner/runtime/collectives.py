@@ -11,6 +11,8 @@ import math
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers torch.ops._c10d_functional)
 
+from . import differentiable
+
 functional = torch.ops._c10d_functional
 
 
@@ -133,7 +135,16 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_over_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    if differentiable.recording(x):
+        return differentiable.sum_over_ranks(x, group_name)
     return functional.wait_tensor(functional.all_reduce(x, "sum", group_name))
+
+
+def _all_to_all_single(x: torch.Tensor, sizes_in: list[int], sizes_out: list[int], group_name: str) -> torch.Tensor:
+    """A point-to-point exchange (ring step, halo), done: with gradients, they return the way the data came."""
+    if differentiable.recording(x):
+        return differentiable.permuted(x, sizes_in, sizes_out, group_name)
+    return functional.wait_tensor(functional.all_to_all_single(x, sizes_in, sizes_out, group_name))
 
 
 def sharded_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, size: int,
@@ -201,15 +212,18 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks: int, index: int,
-             group_name: str) -> torch.Tensor:
+             group_name: str, recording: bool = False) -> torch.Tensor:
     """Launch the ring step: send this rank's key/value block to the next rank and receive the previous rank's
     block (``incoming``: its k and v shapes' row counts and the elements they hold). One all_to_all_single whose
     only non-empty pieces go to the next rank and come from the previous one: a collective-permute that sizes
-    each message exactly (uneven blocks need no padding). Returns the pending result (wait_tensor it)."""
+    each message exactly (uneven blocks need no padding). Returns the pending result (wait_tensor it); with gradients
+    (``recording``) the received blocks, done."""
     send = torch.cat([k.reshape(-1), v.reshape(-1)])
     sizes_out, sizes_in = [0] * ranks, [0] * ranks
     sizes_out[(index + 1) % ranks] = send.numel()
     sizes_in[(index - 1) % ranks] = sum(incoming)  # (on a ring of 2 the same rank as the next)
+    if recording:
+        return differentiable.permuted(send, sizes_in, sizes_out, group_name)
     return functional.all_to_all_single(send, sizes_in, sizes_out, group_name)
 
 
@@ -221,6 +235,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     ring: at each step the next block's transfer is launched before this block's attention runs (overlap), and the
     partial results are merged exactly by their log-sum-exp (the online softmax):
     out = sum_i out_i * exp(lse_i - lse), lse = logsumexp_i(lse_i).
+    With gradients the merge is out of place, each block's log-sum-exp computed by differentiable ops (the fused
+    kernel's is not) and the blocks' gradients return round the ring: exact, without the overlap.
     ``mask``: this rank's query rows over every key column, in the sequence's order; ``mask_columns[i]``: the
     columns rank i's key rows are (its part of each block of a packed sequence), picked at the step its block is
     here. A query row masked out over every key gives 0, as scaled_dot_product_attention does."""
@@ -228,6 +244,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     shape_k, shape_v = list(k.shape), list(v.shape)
     mask = _additive(mask, torch.promote_types(_wide(q).dtype, torch.float32))
     out = lse = None
+    recording = differentiable.recording(q, k, v)
     holder = index  # whose block this rank holds now
     for step in range(ranks):
         pending = None
@@ -235,11 +252,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             source = (holder - 1) % ranks
             shape_k[-2] = shape_v[-2] = rows[source]
             incoming = (math.prod(shape_k), math.prod(shape_v))
-            pending = _pass_on(k, v, incoming, ranks, index, group_name)
+            pending = _pass_on(k, v, incoming, ranks, index, group_name, recording)
         block_mask = None if mask is None else torch.cat([mask[..., a:b] for a, b in mask_columns[holder]], -1)
-        block_out, block_lse = _attention_block(q, k, v, scale, mask=block_mask)
+        block_out, block_lse = _attention_block(q, k, v, scale, fused=False if recording else None, mask=block_mask)
         if out is None:
             out, lse = block_out, block_lse
+        elif recording:
+            merged = torch.logaddexp(lse, block_lse)
+            finite = merged.masked_fill(torch.isneginf(merged), 0.0)
+            out = out * torch.exp(lse - finite).unsqueeze(-1) + block_out * torch.exp(block_lse - finite).unsqueeze(-1)
+            lse = merged
         else:  # in place: the running output and this block's are the only float32 buffers held
             merged = torch.logaddexp(lse, block_lse)
             finite = merged.masked_fill(torch.isneginf(merged), 0.0)  # (rows masked out so far: weights 0)
@@ -247,7 +269,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                 block_out.mul_(torch.exp(block_lse - finite).unsqueeze(-1)))
             lse = merged
         if pending is not None:
-            received = functional.wait_tensor(pending)
+            received = pending if recording else functional.wait_tensor(pending)
             k_part, v_part = received.split(list(incoming))
             k, v = k_part.view(shape_k), v_part.view(shape_v)
             holder = source
@@ -265,9 +287,8 @@ def _borrow_rows(x: torch.Tensor, dim: int, before: int, after: int, index: int,
     inner = x.numel() // rows
     send = torch.cat([x.narrow(dim, 0, sent[index - 1]).reshape(-1),
                       x.narrow(dim, rows - sent[index + 1], sent[index + 1]).reshape(-1)])
-    received = functional.wait_tensor(functional.all_to_all_single(
-        send, [came.get(r, 0) * inner for r in range(ranks)], [sent.get(r, 0) * inner for r in range(ranks)],
-        group_name))
+    received = _all_to_all_single(send, [came.get(r, 0) * inner for r in range(ranks)],
+                                  [sent.get(r, 0) * inner for r in range(ranks)], group_name)
     pieces = received.split([came[index - 1] * inner, came[index + 1] * inner])
 
     def shaped(piece: torch.Tensor, count: int) -> torch.Tensor | None:

@@ -1,9 +1,8 @@
-"""Calls made with gradients on. Until every collective is paired with its true backward, ``backward`` through a
-rank program would be silently wrong: torch's functional all_reduce sums the gradient again on every rank (tp
-gradients come out tp times too large), and a rank's slice of a replicated value never gathers its gradient back
-(rows it does not hold get zero). So the program runs without recording a graph and its outputs refuse
-``backward`` by name (``BackwardUnsupported``): never a silent wrong gradient, and never torch's own "does not
-require grad" for a model whose weights were trainable."""
+"""Calls made with gradients on. Where ``backward`` through a rank program cannot be exact (a backend that runs
+inference only, the torch.compile frontend, an op ``passes.differentiate`` cannot pair), the program runs without
+recording a graph and its outputs refuse ``backward`` by name (``BackwardUnsupported``): never a silent wrong
+gradient (torch's own collectives' backward sums again on every rank, and a rank's slice never gathers its
+gradient back), and never torch's own "does not require grad" for a model whose weights were trainable."""
 
 from __future__ import annotations
 
@@ -51,16 +50,9 @@ class _RefuseBackward(torch.autograd.Function):
         raise BackwardUnsupported(ctx.reason)
 
 
-def backward_reason(owner: str, program: torch.fx.GraphModule) -> str:
-    """Why ``backward`` through ``program`` is refused, naming its first collective and the module that made it."""
-    from ..passes.annotate_heads import module_path
-    from .agreement import describe_collective
-    from .collectives import STARTS
-
-    first = next((node for node in program.graph.nodes if "collective" in node.meta or node.target in STARTS), None)
-    where = describe_collective(first) if first is not None else "this rank's program, whose weights are detached"
-    if first is not None and module_path(first):
-        where += f" (in {module_path(first)})"
-    return (f"{owner}: backward through a partitioned program is not supported yet: {where} has no exact backward "
-            "here (a collective's backward must not sum again, a rank's slice must gather its gradient); the forward "
-            "ran exact. Call the model under torch.no_grad() (inference), or train the unpartitioned model")
+def frontend_reason(owner: str) -> str:
+    """Why ``backward`` through the torch.compile frontend is refused: dynamo hands it the model's whole parameters
+    as inputs, which no rank program trains."""
+    return (f"{owner}: backward through the torch.compile frontend is not supported (it runs inference only); to "
+            "train, partition(model, mesh, example_inputs).compile('eager' or 'inductor') exposes this rank's "
+            "trainable weights as parameters, or call the model under torch.no_grad()")

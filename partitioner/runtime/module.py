@@ -53,7 +53,9 @@ class PartitionedModule(torch.nn.Module):
         super().__init__()
         self.train(partitioned.traced_training)
         lowered, tensors = partitioned.lower(backend, **options)
-        self._first = CompiledPartition(lowered, partitioned, backend, tensors=tensors)
+        self._first = CompiledPartition(lowered, partitioned, backend, tensors=tensors, options=options)
+        for name, parameter in partitioned.trained_parameters().items():  # under the model's names
+            _register_parameter(self, name, parameter)
         self._partitioned, self._backend, self._options = partitioned, backend, dict(options)
         self._cache: OrderedDict = OrderedDict()  # call shape signature -> CompiledPartition
         self.max_specializations = max_specializations
@@ -199,7 +201,7 @@ class PartitionedModule(torch.nn.Module):
                                         + (f"; padded to buckets: {', '.join(padded)}" if padded else "")
                                         + (f" ({specialized.ctx.replanned})" if specialized.ctx.replanned else ""))
         self._partitioned.ctx.specializations = dict(self.specializations)
-        return CompiledPartition(lowered, specialized, self._backend, tensors=tensors)
+        return CompiledPartition(lowered, specialized, self._backend, tensors=tensors, options=self._options)
 
     def _differences(self, named: dict) -> list[str]:
         """How a call's arguments differ from the traced ones, an argument a line: its structure or type, each
@@ -241,6 +243,16 @@ class PartitionedModule(torch.nn.Module):
         others = [key for key, compiled in self._cache.items() if compiled is not self._first]
         for key in others[:max(0, len(others) - self.max_specializations)]:
             del self._cache[key]
+
+
+def _register_parameter(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:
+    """``parameter`` at the dotted ``name`` under ``root``, the modules on the way made as plain containers."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in root._modules:
+            root.add_module(part, torch.nn.Module())
+        root = root._modules[part]
+    root.register_parameter(leaf, parameter)
 
 
 def _dtype(tensor: torch.Tensor) -> str:

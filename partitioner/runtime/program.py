@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, NamedTuple
 
@@ -9,11 +10,11 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import InputError
+from ..errors import BackwardUnsupported, InputError
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, same_constant, value_digest
-from .gradients import backward_reason, refusing_backward, wants_gradients
+from .gradients import refusing_backward, wants_gradients
 
 
 def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -35,12 +36,14 @@ class CompiledPartition:
     The weights are read from the partition at every call (``tensors``, default ``Partitioned.rank_tensors``), so
     ``Partitioned.load_weights`` after compile takes effect."""
 
-    def __init__(self, lowered: Callable, partitioned, backend: str, tensors: Callable | None = None):
+    def __init__(self, lowered: Callable, partitioned, backend: str, tensors: Callable | None = None,
+                 options: dict | None = None):
         from .preflight import Preflight
 
         self.lowered = lowered
         self.partitioned = partitioned
         self.backend = backend
+        self.options = dict(options or {})  # the backend's, for the training copy too
         self.tensors = tensors or partitioned.rank_tensors
         self.host = partitioned.ctx.host  # HostProgram: data-dependent ops run on the CPU before the device graph
         self.stats = getattr(lowered, "stats", None)  # compilation counts, for backends that compile
@@ -66,8 +69,22 @@ class CompiledPartition:
                                    partitioned.ctx.padding_reads)
 
     @functools.cached_property
-    def backward_reason(self) -> str:
-        return backward_reason(self.owner, self.partitioned.graph_module)
+    def training(self) -> Training:
+        """The program a call that records gradients runs (the training copy, ``passes.differentiate``), or why
+        ``backward`` through this partition is refused."""
+        from .. import backends
+        from ..passes import differentiate
+
+        backend = backends.BACKENDS.get(self.backend)
+        if backend is None or backend.train is None or backend.takes != "rank":
+            return Training(None, f"{self.owner}: backward through a partition runs on the 'eager' and 'inductor' "
+                                  f"backends; {self.backend!r} runs inference only. Call the model under "
+                                  "torch.no_grad(), or compile it with backend='eager' or 'inductor' to train")
+        try:
+            graph = differentiate.run(self.partitioned.graph_module, self.partitioned.mesh, self.owner)
+        except BackwardUnsupported as error:
+            return Training(None, str(error))
+        return Training(backend.train(graph, **self.options), None)
 
     @property
     def state(self) -> list[torch.Tensor]:
@@ -197,12 +214,21 @@ class CompiledPartition:
         return self.run(checked)
 
     def run(self, checked: "_Checked"):
-        """Run a call that every rank checked and agreed on."""
-        gradients = wants_gradients(checked.flat, self.partitioned.trainable)
-        with self.guard.running([self.partitioned.graph_module, self.lowered]), torch.no_grad():
-            out = list(self.lowered(*self.tensors(), *checked.user, *checked.hosted))
-        if gradients:  # never a silent wrong gradient: backward is refused by name
-            out = refusing_backward(out, checked.flat, self.backward_reason)
+        """Run a call that every rank checked and agreed on: with gradients recorded, the training copy (or, where
+        backward cannot be exact, the inference program with ``backward`` refused by name)."""
+        program, refusal = self.lowered, None
+        if wants_gradients(checked.flat, self.partitioned.trainable):
+            program, refusal = self.training
+            if program is not None and any(value.is_floating_point() for value in checked.hosted):
+                program, refusal = None, (f"{self.owner}: backward through the host prologue (data-dependent ops run "
+                                          "on the CPU before the device graph) is not supported; call the model "
+                                          "under torch.no_grad()")
+            program = self.lowered if program is None else program
+        with self.guard.running([self.partitioned.graph_module, self.lowered]), \
+                torch.no_grad() if program is self.lowered else contextlib.nullcontext():
+            out = list(program(*self.tensors(), *checked.user, *checked.hosted))
+        if refusal is not None:  # never a silent wrong gradient: backward is refused by name
+            out = refusing_backward(out, checked.flat, refusal)
         for index, dim, expression in self.host.trims if self.host is not None else ():
             out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(checked.sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
@@ -227,6 +253,12 @@ def check_autocast(partitioned) -> None:
         raise InputError(f"{partitioned.model_name}: called under {said[now]}, partitioned under "
                          f"{said[partitioned.traced_autocast]}; call it as it was partitioned on every rank, or "
                          "partition inside the autocast you call it with")
+
+
+class Training(NamedTuple):
+    """What a call that records gradients runs: the training program, or why backward is refused."""
+    program: Callable | None
+    refusal: str | None
 
 
 class _Checked(NamedTuple):

@@ -33,6 +33,23 @@ def tiny_flux(seed: int = 0, heads: int = 4):
                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
 
 
+def with_lora(model: nn.Module, targets=("to_q", "to_k", "to_v", "to_out.0"), rank: int = 4,
+              seed: int = 3) -> nn.Module:
+    """``model`` prepared for LoRA fine-tuning as a training script does: its weights frozen, peft adapters of
+    ``rank`` on the ``targets`` projections (the only weights that require grad). B is drawn at random instead of
+    peft's zeros, so that A's gradients are not zero."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model.requires_grad_(False)
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)), model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+    return model
+
+
 def flux_inputs(seed: int = 1) -> dict:
     """16 image rows and 8 text rows (a joint sequence of 24)."""
     g = torch.Generator().manual_seed(seed)
@@ -292,4 +309,4 @@ def idiom_cases() -> dict:
     }
 
 
-__all__ = ['ConvLinearAttentionBlock', 'FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3']
+__all__ = ['ConvLinearAttentionBlock', 'FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3', 'with_lora']
