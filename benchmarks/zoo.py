@@ -68,7 +68,7 @@ def _cells(traced, model, name: str, degree: int, params: int) -> list[str]:
     (rank programs, as a DeviceMesh partition plans), each decided on its own copy of ``traced``."""
     from partitioner.frontend.trace import copy_graph_module
     from partitioner.mesh import as_mesh_spec
-    from partitioner.partitioned import decide
+    from partitioner.build import decide
     from partitioner.passes.plan_sequence import attention_counts
 
     cells = [_replicated(model, decide(_copy(traced, copy_graph_module), as_mesh_spec(

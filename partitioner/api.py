@@ -17,7 +17,8 @@ from .frontend.padding import pad_named, parse_buckets
 from .frontend.trace import Traced, bind_forward
 from .frontend.value_specialization import method_as_forward
 from .mesh import as_mesh_spec
-from .partitioned import Partitioned, _check_offline, build_agreed, decide, partition_traced, trace_and_partition
+from .build import build_agreed, check_offline, decide, partition_traced, trace_and_partition
+from .partitioned import Partitioned
 from .passes.context import Overlap
 from .passes.plan_sequence import warn_whole_attentions
 from .plans import Plan
@@ -94,7 +95,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     def build() -> Partitioned:
         partitioned = trace_bucketed(model, example_inputs, buckets, partition_with)
         if backend_checks is not None:
-            _check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
+            check_offline(partitioned, backend_checks, dump_dir or os.environ.get("PARTITIONER_DUMP"))
         return partitioned
 
     overlap = Overlap.parse(overlap)

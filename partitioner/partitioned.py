@@ -4,34 +4,21 @@ asked of them (explain, report, verify, compile, load_weights, specialize)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
-import re
 import time
 import weakref
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 from . import backends
 from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
                      PartitionError, VerificationError, did_you_mean, our_step)
-from .frontend.padding import parse_buckets
-from .frontend.randomness import refuse_randomness
-from .frontend.trace import Traced, copy_graph_module, trace
+from .frontend.trace import Traced, trace
 from .frontend.value_specialization import method_as_forward
-from .mesh import MeshSpec
-from .passes import PLAN, TO_RANK, run_passes
-from .passes.context import Overlap, PassContext
-from .passes.runner import collector_skips_what_exists
-from .planning.dump import Dumper
-from .planning.plan_view import write_html
+from .passes.context import PassContext
 from .planning.report import Report, build_report, collective_stats
 from .plans import Plan
-from .progress import bar
-from .runtime.agreement import CallGuard, PartitionIdentity, agree_on_plan, agree_on_staging, plan_lines
-from .runtime import collectives
+from .runtime.agreement import CallGuard, agree_on_staging
 from .runtime.checkpoint import load_shards
 from .runtime.fingerprints import check_fingerprint
 from .runtime.program import autocast_dtype, input_names, place_graph_on
@@ -109,6 +96,8 @@ class Partitioned:
         plan applied (its sequence seeds re-derived if the new trace names values differently), sharing this rank's
         weights, its process groups and its guard. Every rank must call it with inputs of the same shapes (inputs
         with ``buckets`` padded to a bucket already)."""
+        from .build import build_agreed, partition_traced, trace_and_partition  # (which build Partitioned)
+
         if self.skeleton is None:
             raise InputError(f"{self.model_name}: this partition serves only the traced shapes (it was not made by "
                              "partition() from a module); partition again for other shapes")
@@ -346,139 +335,3 @@ def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:
     if meta:
         raise MissingWeights(f"{len(meta)} tensors are on the meta device (e.g. {meta[0]!r}); the partition needs "
                               f"real weights to run{advice}")
-
-
-def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, *,
-                        specialize_values: bool = False) -> Partitioned:
-    """``partition_with(trace(model, example_inputs))``; when the host prologue cannot take a data-dependent size
-    (it sizes device ops), the model is traced again specialised on its integer and boolean inputs' values
-    (``value_specialization``), if it has any and the first trace was not."""
-    with collector_skips_what_exists():
-        start = time.perf_counter()
-        with bar(desc=f"tracing {type(model).__name__} (torch.export)", total=1, unit="trace") as progress:
-            traced = trace(model, example_inputs, specialize_values=specialize_values)
-            progress.update()
-        traced_s = time.perf_counter() - start
-        try:
-            partitioned = partition_with(traced)
-        except DataDependentNumber:
-            if traced.values_specialized:
-                raise
-            start = time.perf_counter()
-            retraced = trace(model, example_inputs, specialize_values=True)
-            traced_s += time.perf_counter() - start
-            if not retraced.values and retraced.guards is None:  # no input whose values it reads
-                raise
-            partitioned = partition_with(retraced)
-    if isinstance(partitioned, Partitioned):  # (plan() partitions into its decision only)
-        partitioned.seconds["trace"] = traced_s
-    return partitioned
-
-
-def build_agreed(build, spec: MeshSpec, groups, options: dict) -> Partitioned:
-    """``build()`` on every rank, then the ranks compare their plans (or learn which rank failed) before any
-    program runs; the partition's calls are then guarded by the same groups."""
-    partitioned, failure = None, None
-    try:
-        partitioned = build()
-    except Exception as error:  # every rank learns that this one failed, instead of waiting for it
-        failure = error
-    header = [f"mesh {spec.sizes}"] + [f"{key} {value!r}" for key, value in sorted(options.items())]
-    if groups is not None:  # every rank reuses the same groups, or every rank made new ones
-        header.append(f"process groups generation {groups.generation}")
-    lines = _plan_lines(partitioned, header) if partitioned is not None else None
-    agree_on_plan(groups, lines, failure)
-    # which partition: its number on these groups (two experts of one architecture, whose weights are loaded later,
-    # plan alike) and its plan
-    if groups is not None:
-        groups.built += 1
-    identity = PartitionIdentity(partitioned.model_name, groups.built if groups is not None else 0,
-                                 hashlib.sha256("\n".join(lines).encode()).hexdigest()[:8])
-    partitioned.guard = CallGuard(groups, spec.device, identity=identity)
-    return partitioned
-
-
-def _plan_lines(partitioned: Partitioned, header: list[str]) -> list[str]:
-    """The plan ranks compare: the global graph with its placements and shapes, how many chunks each
-    row-parallel all_reduce is issued in (a profile file that differs between hosts would make ranks issue
-    different collectives) and the order each all_to_all sends its pieces in (read from the device's layout: ranks
-    whose devices lay a value out differently would read each other's pieces wrong, with no error); device indices
-    left out (each rank has its own GPU)."""
-    device = re.compile(r"device\(type='(\w+)', index=\d+\)")
-    chunks = [f"all_reduce of {path}: {how.split(' (')[0]}" for path, how in sorted(partitioned.ctx.chunked.items())]
-    orders = [f"all_to_all of {node.args[0].name}: pieces in order {node.args[6]}"
-              for node in partitioned.graph_module.graph.nodes if node.target is collectives.all_to_all_start]
-    return [device.sub(r"device(type='\1')", line)
-            for line in plan_lines(partitioned.planned_graph, header)] + chunks + orders
-
-
-def _check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
-    """``backend_checks``: a backend name, or {name: its compile options} such as ``{"neuron": {"pad_sequence":
-    True}}``. The graph the checks see is dumped after the passes' graphs."""
-    usage = f"e.g. backend_checks='neuron' or {{'neuron': {{'pad_sequence': True}}}}; backends with offline " \
-            f"checks: {backends.with_checks()}"
-    if isinstance(backend_checks, str):
-        backend_checks = {backend_checks: {}}
-    if not (isinstance(backend_checks, dict) and len(backend_checks) == 1):
-        raise InputError(f"backend_checks={backend_checks!r}: name one backend, {usage}")
-    (name, options), = backend_checks.items()
-    backend = backends.get(name)
-    if backend.check is None or not isinstance(options, dict) or set(options) - set(backend.options):
-        raise InputError(f"backend_checks={backend_checks!r}: {usage}; {name!r} takes the options "
-                         f"{list(backend.options)}")
-    checked = backend.check(partitioned.graph_module, partitioned.mesh, **options)
-    dump = Dumper(dump_dir, partitioned.mesh.rank, len(PLAN) + len(TO_RANK) + 1, partitioned.graph_module)
-    dump(f"{name}_legalize", checked, partitioned.ctx)
-
-
-def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-                     dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None,
-                     buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
-    """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
-    ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
-    with collector_skips_what_exists():
-        ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds,
-                               buckets=buckets, overlap=overlap)
-        planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
-        gm = run_passes(gm, ctx, TO_RANK, dump)
-    traced.graph_module, traced.inputs = gm, ctx.inputs
-    partitioned = Partitioned(model_name, traced, ctx, planned)
-    if dump.directory:  # the plan as a picture beside the pass dumps
-        write_html(partitioned, dump.directory / "plan.html")
-    return partitioned
-
-
-def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
-           dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None, buckets: dict | None = None,
-           overlap: bool | dict | Overlap = True) -> tuple[PassContext, torch.fx.GraphModule, Dumper]:
-    """The planning passes (``PLAN``) over a trace: every decision ``partition`` takes (``partitioner.plan`` reads
-    them from the context), the planned global graph, and the dumper that wrote it."""
-    ctx = PassContext(mesh, list(traced.inputs), bounds=dict(bounds or {}), size_bounds=dict(traced.size_bounds),
-                      buckets=parse_buckets(buckets), input_names=input_names(traced.in_spec),
-                      overlap=Overlap.parse(overlap))
-    refuse_randomness(traced.graph_module, model_name)
-    guarded = traced.guards.inputs if traced.guards is not None else set()
-    read = ({ctx.input_names[i] for i in traced.values} | guarded) & {name for name, _ in ctx.buckets}
-    if read:  # the values read would include the bucket's padding: the trace would be exact for the padded call
-        where = traced.value_reads[0] if traced.value_reads else traced.guards.guards[0].read
-        raise PartitionError(f"{model_name} reads the values of {sorted(read)} ({where}), which "
-                             "buckets pad; drop the bucket for it (each size is then traced on its own)")
-    if isinstance(plan, Plan):
-        plan.check_mesh(mesh.sizes)
-        unknown = sorted(set(plan.sequence_seeds_by_axis or {}) - set(mesh.axis_names))
-        if unknown:
-            raise PartitionError(f"the plan's sequence_seeds_by_axis names mesh axes {unknown} that the mesh "
-                                 f"{mesh.sizes} does not have; plan again for this mesh")
-        overrides = plan.linear_overrides()
-        ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
-        ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}
-        ctx.unit_overrides = {path: unit for path, (_, _, unit) in overrides.items() if unit > 1}
-        ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
-        ctx.given_sequence_seeds_by_axis = plan.sequence_seeds_by_axis
-        ctx.bounds = {**plan.bounds, **ctx.bounds}
-    else:
-        ctx.plan = dict(plan or {})
-    dump = Dumper(dump_dir or os.environ.get("PARTITIONER_DUMP"), mesh.rank)
-    gm = traced.graph_module
-    dump("export", gm, ctx)
-    return ctx, run_passes(gm, ctx, PLAN, dump), dump

@@ -144,11 +144,11 @@ def test_chunks_are_decided_alike_on_every_rank(slow_links, video, chunked):
 def test_ranks_agree_on_the_chunks(slow_links):
     """The plan the ranks compare names each row-parallel all_reduce's chunks: a profile file that differs
     between hosts (other chunks, other collectives) is a disagreement, not a hang."""
-    from partitioner.partitioned import _plan_lines
+    from partitioner.build import compared_plan_lines
 
-    lines = _plan_lines(_graph(True, slow_links), [])
+    lines = compared_plan_lines(_graph(True, slow_links), [])
     assert any(line.startswith("all_reduce of transformer_blocks.0.ff.net.2: ") and "chunks" in line for line in lines)
-    assert not any(line.startswith("all_reduce of") for line in _plan_lines(_graph(False), []))
+    assert not any(line.startswith("all_reduce of") for line in compared_plan_lines(_graph(False), []))
 
 
 def test_bad_overlap_option_is_named():

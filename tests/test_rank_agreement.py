@@ -93,9 +93,9 @@ def _plans_differ(rank, world, how: str):
     plan = {"proj_in": "diagonal"} if rank == 1 and how == "failure" else None
     plan = {"transformer_blocks.*.attn.to_out.0": "replicate"} if rank == 1 and how == "options" else plan
     if how == "layouts" and rank == 1:  # this rank's device lays every value out contiguously (another kernel)
-        from partitioner.passes import insert_collectives
+        from partitioner.passes import device_layout
 
-        insert_collectives._strides_on_device = lambda node, _: torch.empty(node.meta["val"].shape).stride()
+        device_layout.strides_on_device = lambda node, _: torch.empty(node.meta["val"].shape).stride()
     axis = "ulysses" if how == "layouts" else "tp"
     return attempt(lambda: partition(model, _mesh((world,), (axis,)), ((), inputs), plan=plan, timeout=TIMEOUT))
 

@@ -152,7 +152,7 @@ def test_a_joint_sequence_whose_text_is_not_whole_frames_keeps_its_ring_attentio
     (HunyuanVideo 1.5 at 480p over ring=2: 1 of 56 attentions sharded before, 56 now.)"""
     from partitioner.frontend.trace import trace
     from partitioner.mesh import as_mesh_spec
-    from partitioner.partitioned import decide
+    from partitioner.build import decide
     from partitioner.passes.plan_sequence import attention_counts
     from partitioner.testing.zoo import build, inputs
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partitioner.passes.insert_collectives import memory_order
+from partitioner.passes.device_layout import memory_order
 from partitioner.runtime import collectives
 from partitioner.placement import shard_sizes
 from partitioner.testing import FULL_H3_ROWS, fake_mesh, full_h3_on_meta

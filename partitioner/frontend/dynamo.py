@@ -60,7 +60,8 @@ def partitioner_backend(gm: torch.fx.GraphModule, example_inputs, options: dict 
     if unknown or "mesh" not in options:
         raise InputError(f"backend='partitioner' takes options {sorted(_OPTIONS)} with 'mesh' required; "
                          f"got {sorted(options)}")
-    from ..api import build_agreed, mesh_with_groups, partition_traced
+    from ..api import mesh_with_groups
+    from ..build import build_agreed, partition_traced
     from ..runtime.preflight import Preflight
 
     from .. import backends

@@ -22,7 +22,6 @@ New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -33,8 +32,8 @@ from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, blo
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
 from ..runtime import collectives
+from . import device_layout
 from .context import PassContext
-from .regions import fake_metadata
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -213,7 +212,7 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
                              "query, key and value and its output")
     dims = (required.dim, current.dim, axis_sizes(producer, required, axis, ctx),
             axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
-    order = memory_order(_strides_on_device(producer, ctx.mesh.device_type))
+    order = device_layout.memory_order(device_layout.strides_on_device(producer, ctx.mesh.device_type))
     # (the wait names the shape it joins: the global one here, this rank's once localize has run)
     exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis)),
                        collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order), axis, current,
@@ -221,58 +220,6 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         exchange.meta["rank_order"] = (axis, current.blocks)
     return exchange
-
-
-def _strides_on_device(node: Node, device_type: str) -> tuple:
-    """``node``'s strides as the ranks' device lays its value out. A model traced on the meta device has the
-    layouts of meta kernels: an attention's output contiguous in [batch, heads, rows, dim], which CPU's fused
-    kernel writes as a transpose of [batch, rows, heads, dim]. The op is run again on fake tensors of that device,
-    its inputs laid out as traced (remembered by those layouts: 50 blocks ask for the same few ops); the traced
-    strides where it cannot run there (a device this host cannot fake)."""
-    val = node.meta["val"]
-    if not val.is_meta or device_type == "meta" or node.op != "call_function":
-        return val.stride()
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
-    arguments = fake_metadata((*args, *kwargs.values()))
-    if arguments is None:  # a symbolic size: its strides say no order either
-        return val.stride()
-    key = (device_type, node.target, arguments, tuple(kwargs))
-    if key not in _DEVICE_STRIDES:
-        _DEVICE_STRIDES[key] = _made_on(node, device_type)
-    return _DEVICE_STRIDES[key] or val.stride()
-
-
-_DEVICE_STRIDES: dict[tuple, tuple | None] = {}
-
-
-def _made_on(node: Node, device_type: str) -> tuple | None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    def on_device(arg: Node):
-        val = arg.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise TypeError(f"{arg.name} is no tensor")
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device_type)
-    try:
-        with FakeTensorMode():
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), on_device)
-            made = node.target(*args, **kwargs)
-    except Exception as error:  # (only the order an exchange sends its pieces in depends on it: every order is exact)
-        logging.getLogger("partitioner").debug("%s: no %s layout (%s); the traced one is used", node.name,
-                                               device_type, error)
-        return None
-    return made.stride() if isinstance(made, torch.Tensor) and made.shape == node.meta["val"].shape else None
-
-
-def memory_order(strides: tuple) -> list[int] | None:
-    """The dims from outermost to innermost in memory (None: the logical order, or strides unknown).
-    An exchange sends its pieces in this order: an attention's output, laid out [batch, rows, heads, dim] under its
-    [batch, heads, rows, dim] shape, is split by rows without a copy and joined by heads with one (in logical order:
-    a copy on each side), and its input, split by heads, arrives already joined by rows."""
-    if not all(isinstance(stride, int) for stride in strides):
-        return None
-    order = sorted(range(len(strides)), key=lambda dim: -strides[dim])  # (stable: ties keep their logical order)
-    return None if order == list(range(len(order))) else order
 
 
 def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:

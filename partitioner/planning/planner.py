@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..api import partition_traced
+from ..build import partition_traced
 from ..errors import InputError, InvariantError, PartitionError
 from ..frontend.model_source import ALIASES as MODELS
 from ..frontend.model_source import apply_dtype, build_model  # noqa: F401  (apply_dtype: for existing callers)
