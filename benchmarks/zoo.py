@@ -22,7 +22,7 @@ from collections import Counter
 
 def tiny_table(models: list[str]) -> list[str]:
     from partitioner.testing import RankPool
-    from partitioner.testing.zoo import MODES, partition_case
+    from partitioner.testing.zoo_check import MODES, partition_case
 
     rows = {}
     for world, modes in ((2, ("tp2", "ulysses2")), (4, ("tp2xulysses2",))):

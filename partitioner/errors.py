@@ -107,7 +107,7 @@ def where_it_failed(error: BaseException) -> str:
     with its op and the model's source line: '' when no frame held one."""
     from torch.fx import Node
 
-    from .frontend.trace import source_line
+    from .source import source_line  # (torch.fx on demand: errors is imported first)
 
     node, tb = None, error.__traceback__
     while tb is not None:

@@ -16,6 +16,7 @@ from partitioner.backends import Backend, eager, register
 from partitioner.passes import differentiate
 from partitioner.placement import is_sharded
 from partitioner.runtime import differentiable
+from partitioner.runtime.kernel_gradients import summed_now
 from partitioner.runtime.weights import shard_tensor
 from partitioner.testing import (RankPool, ViewHeads, attempt, flux_cfg_inputs, flux_inputs, run_ranks, tiny_flux,
                                  with_lora)
@@ -145,7 +146,7 @@ def _controls(rank, world):
 
 def _summed_again(ctx, grad):
     """torch's own all_reduce backward: the gradient summed over the ranks again."""
-    return differentiable._reduce(grad, ctx.group_name), None
+    return summed_now(grad, ctx.group_name), None
 
 
 def test_negative_controls_break_the_gradients_and_refusals_name_the_backend():

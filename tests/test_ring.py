@@ -156,7 +156,7 @@ def test_a_joint_sequence_whose_text_is_not_whole_frames_keeps_its_ring_attentio
     from partitioner.passes.plan_sequence import attention_counts
     from partitioner.testing.zoo import build, inputs
 
-    from partitioner.testing.zoo import partition_case
+    from partitioner.testing.zoo_check import partition_case
 
     sizes = dict(text=7, frames=3, height=2, width=4)
     traced = trace(build("hunyuan_video15"), inputs("hunyuan_video15", **sizes))

@@ -202,7 +202,7 @@ def test_a_length_equal_to_a_model_size_changes_no_decision(case):
 def _coinciding_case(rank, world, name, rows, text):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from partitioner.testing.zoo import _first_tensor
+    from partitioner.testing.zoo_check import _first_tensor
 
     model, (args, kwargs) = BUILDERS[name](rows, text)
     with torch.no_grad():

@@ -107,7 +107,7 @@ def test_uneven_zoo_models_exact(name):
     """Zoo models at TP=3 (their heads and widths not divisible by 3): Flux2's single blocks slice a fused
     qkv + SwiGLU projection packed in five uneven blocks (each rank's block offsets differ); SD3 joins its
     attention streams. Every rank exact."""
-    from partitioner.testing.zoo import partition_case
+    from partitioner.testing.zoo_check import partition_case
 
     for rank, result in enumerate(run_ranks(3, partition_case, name, (3,), ("tp",))):
         assert result["status"] == "exact", (name, rank, result)

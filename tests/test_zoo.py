@@ -15,7 +15,8 @@ import math
 import pytest
 
 from partitioner.testing import RankPool
-from partitioner.testing.zoo import MODES, ZOO, partition_case
+from partitioner.testing.zoo import ZOO
+from partitioner.testing.zoo_check import MODES, partition_case
 
 # Deliberate limits: the model's own code does what no static partition can serve.
 # (Lumina2 branches on its mask's row sums and Mochi drops padded prompt rows by `nonzero`: both are traced for

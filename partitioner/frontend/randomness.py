@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PartitionError
-from .trace import source_line
+from ..source import source_line
 
 
 def _draws(node: torch.fx.Node) -> bool:

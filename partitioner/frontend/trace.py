@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from ..errors import TraceError, our_step
+from ..source import source_line
 from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
 from .value_guards import Guards, ValueRead
@@ -392,9 +392,6 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
                   specialized, shadow.reads, specialize_values, guards)
 
 
-_FRAME = re.compile(r'\s*File "(.+)", line (\d+), in (\S+)')
-
-
 def _model_frame(error: BaseException, model: torch.nn.Module) -> str:
     """The innermost frame of ``error``'s traceback in the model's own package (diffusers' file and line), or in
     any file outside torch: where the model's code did what export refused."""
@@ -402,18 +399,6 @@ def _model_frame(error: BaseException, model: torch.nn.Module) -> str:
 
     frames = traceback.extract_tb(error.__traceback__)
     return model_line(frames, type(model).__module__.split(".")[0]) or "code (no frame outside torch recorded)"
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """Where the model's code made ``node`` ("attention_processor.py:1234 in forward: code"), from the stack trace
-    export records; the innermost frame."""
-    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        match = _FRAME.match(lines[i])
-        if match:
-            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
-            return f"{match[1].rsplit('/', 1)[-1]}:{match[2]} in {match[3]}" + (f": {code}" if code else "")
-    return "no source line recorded"
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

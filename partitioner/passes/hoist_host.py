@@ -25,7 +25,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import DataDependentNumber, InvariantError
 from ..frontend.padding import follow_padding
-from ..frontend.trace import GraphInput, source_line
+from ..frontend.trace import GraphInput
+from ..source import source_line
 from ..rules import PartitionError
 from .context import PassContext
 from .regions import propagate_fake_values

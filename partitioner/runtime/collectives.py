@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers torch.ops._c10d_functional)
 
-from . import differentiable
+from . import kernel_gradients
 
 functional = torch.ops._c10d_functional
 
@@ -135,15 +135,15 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_over_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    if differentiable.recording(x):
-        return differentiable.sum_over_ranks(x, group_name)
+    if kernel_gradients.recording(x):
+        return kernel_gradients.sum_over_ranks(x, group_name)
     return functional.wait_tensor(functional.all_reduce(x, "sum", group_name))
 
 
 def _all_to_all_single(x: torch.Tensor, sizes_in: list[int], sizes_out: list[int], group_name: str) -> torch.Tensor:
     """A point-to-point exchange (ring step, halo), done: with gradients, they return the way the data came."""
-    if differentiable.recording(x):
-        return differentiable.permuted(x, sizes_in, sizes_out, group_name)
+    if kernel_gradients.recording(x):
+        return kernel_gradients.permuted(x, sizes_in, sizes_out, group_name)
     return functional.wait_tensor(functional.all_to_all_single(x, sizes_in, sizes_out, group_name))
 
 
@@ -223,7 +223,7 @@ def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks:
     sizes_out[(index + 1) % ranks] = send.numel()
     sizes_in[(index - 1) % ranks] = sum(incoming)  # (on a ring of 2 the same rank as the next)
     if recording:
-        return differentiable.permuted(send, sizes_in, sizes_out, group_name)
+        return kernel_gradients.permuted(send, sizes_in, sizes_out, group_name)
     return functional.all_to_all_single(send, sizes_in, sizes_out, group_name)
 
 
@@ -244,7 +244,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     shape_k, shape_v = list(k.shape), list(v.shape)
     mask = _additive(mask, torch.promote_types(_wide(q).dtype, torch.float32))
     out = lse = None
-    recording = differentiable.recording(q, k, v)
+    recording = kernel_gradients.recording(q, k, v)
     holder = index  # whose block this rank holds now
     for step in range(ranks):
         pending = None

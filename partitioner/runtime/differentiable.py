@@ -11,7 +11,8 @@ what one device would compute, laid out as the value is (DTensor's and Megatron'
   of the rows), each rank's backward yields only its share of the gradient: ``sum_gradients`` (identity forward)
   sums those shares over the axis, so replicas, weights included, get the whole gradient and never drift;
 - a sharded value's gradient is this rank's rows of it: an all_to_all is answered by the inverse all_to_all, a
-  reduce_scatter by an all_gather, a point-to-point exchange (ring and halo passes) by the exchange reversed.
+  reduce_scatter by an all_gather (the exchanges and sums inside the kernels, ring and halo passes and sharded
+  norms, are paired in ``runtime.kernel_gradients``).
 
 Shapes, dims and sizes are a rank's own, as ``runtime.collectives`` takes them.
 """
@@ -20,13 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from . import collectives  # (used at call time: collectives imports this module too)
+from . import collectives
+from .kernel_gradients import summed_now
 
-functional = torch.ops._c10d_functional
-
-
-def _reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return functional.wait_tensor(functional.all_reduce(x.contiguous(), "sum", group_name))
+functional = collectives.functional
 
 
 def _gather(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
@@ -45,7 +43,7 @@ class _Summed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
         ctx.group_name = group_name  # (unused by the backward: kept for what a test may sum it over)
-        return _reduce(x, group_name)
+        return summed_now(x, group_name)
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,19 +59,8 @@ class _SumGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         for group_name in ctx.group_names:
-            grad = _reduce(grad, group_name)
+            grad = summed_now(grad, group_name)
         return grad, None
-
-
-class _SumBothWays(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group_name):
-        ctx.group_name = group_name
-        return _reduce(x, group_name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce(grad, ctx.group_name), None
 
 
 class _Gathered(torch.autograd.Function):
@@ -110,19 +97,6 @@ class _Exchanged(torch.autograd.Function):
         return (_exchange(grad.contiguous(), *ctx.arguments),) + (None,) * 6
 
 
-class _Permuted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes_in, sizes_out, group_name):
-        ctx.arguments = (sizes_out, sizes_in, group_name)  # what came back the way it went
-        return functional.wait_tensor(functional.all_to_all_single(x.contiguous(), sizes_in, sizes_out, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        sizes_in, sizes_out, group_name = ctx.arguments
-        returned = functional.all_to_all_single(grad.contiguous(), sizes_in, sizes_out, group_name)
-        return functional.wait_tensor(returned), None, None, None
-
-
 def summed(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Partial -> Replicate: the sum over the axis, whose gradient every rank holds whole (passed back as it is)."""
     return _Summed.apply(x, group_name)
@@ -149,20 +123,3 @@ def exchanged(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes:
               index: int, group_name: str) -> torch.Tensor:
     """Shard(gather_dim) -> Shard(scatter_dim) (Ulysses): the gradient goes back by the inverse all_to_all."""
     return _Exchanged.apply(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, group_name)
-
-
-def sum_over_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """A statistic summed over the ranks inside a sharded kernel (a norm's sum of squares), whose every reader is a
-    rank's own shard: the shares of its gradient are summed on the way back too."""
-    return _SumBothWays.apply(x, group_name)
-
-
-def permuted(x: torch.Tensor, sizes_in: list[int], sizes_out: list[int], group_name: str) -> torch.Tensor:
-    """A point-to-point exchange as one all_to_all_single (a ring step, a halo): the gradient returns the way the
-    data came."""
-    return _Permuted.apply(x, sizes_in, sizes_out, group_name)
-
-
-def recording(*tensors) -> bool:
-    """Whether autograd records a graph through these tensors (the kernels then take their differentiable path)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

@@ -20,7 +20,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..errors import InputError
-from ..frontend.trace import GraphInput, source_line
+from ..frontend.trace import GraphInput
+from ..source import source_line
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
 from ..errors import VerificationError
-from ..frontend.trace import source_line
+from ..source import source_line
 from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
 from .program import place_graph_on
 

@@ -324,7 +324,3 @@ def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") 
 def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
     """(args, kwargs) for the tiny ``build(name)``, on the CPU; ``sizes`` as ``ZOO[name].make_inputs`` names them."""
     return ZOO[name].make_inputs(config(name), seed, **sizes)
-
-
-# the checks live in zoo_check (which imports this module): re-exported for the tests and benchmarks
-from .zoo_check import MODES, _first_tensor, check, partition_case  # noqa: E402

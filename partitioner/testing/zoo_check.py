@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-# (``zoo`` re-exports this module's checks, so each function imports ``zoo`` when it runs, not this module)
+from .zoo import ZOO, build, inputs
 
 
 # --- self-check ------------------------------------------------------------------------------------------------------
@@ -32,7 +32,6 @@ def check(name: str) -> dict:
     """Eager (finite, deterministic across two calls), ``torch.export`` (strict=False) and the full param count."""
     import time
 
-    from .zoo import ZOO, build, inputs
 
     start, result = time.perf_counter(), {}
     model = build(name)
@@ -83,7 +82,6 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple,
     from .. import partition
     from ..errors import PartitionerError
 
-    from .zoo import build, inputs
 
     model, (args, kwargs) = build(name), inputs(name, **(sizes or {}))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -114,7 +112,6 @@ if __name__ == "__main__":
     import warnings
 
     warnings.filterwarnings("ignore")
-    from .zoo import ZOO
 
     names = sys.argv[1:] or list(ZOO)
     print(f"{'model':<14} {'eager':<24} {'tiny':>7} {'full':>7} {'sec':>5}  export")
