@@ -223,16 +223,17 @@ def test_coinciding_lengths_are_exact_on_every_rank(ranks, name, rows, text):
 
 
 def test_plan_is_the_decision_partition_takes():
-    """plan() and partition() share one path: on axis sizes (XLA's global program) and on a DeviceMesh (rank
-    programs, PyTorch's fake process group here) the Plan is exactly Plan.of(partition(...))."""
+    """plan() and partition() share one path: on a DeviceMesh (PyTorch's fake process group here) and on axis sizes
+    (which plan the same rank programs) the Plan is exactly Plan.of(partition(...)); each model on one of the
+    meshes (Ulysses, TP x Ulysses, ring), so that every axis kind is met."""
     from partitioner.testing.zoo import build, inputs
 
-    for name in ("flux", "minimax_h3", "hunyuan_video"):
+    for name, shape, names in (("flux", (2,), ("ulysses",)), ("minimax_h3", (2, 2), ("tp", "ulysses")),
+                               ("hunyuan_video", (2,), ("ring",))):
         model, example = build(name), inputs(name)
-        for shape, names in (((2,), ("ulysses",)), ((2, 2), ("tp", "ulysses")), ((2,), ("ring",))):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PartitionWarning)
-                with fake_mesh(shape, names, 0) as mesh:
-                    assert plan(model, mesh, example) == Plan.of(partition(model, mesh, example)), (name, names)
-                sizes = dict(zip(names, shape))
-                assert plan(model, sizes, example) == Plan.of(partition(model, sizes, example)), (name, names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PartitionWarning)
+            with fake_mesh(shape, names, 0) as mesh:
+                assert plan(model, mesh, example) == Plan.of(partition(model, mesh, example)), (name, names)
+            sizes = dict(zip(names, shape))
+            assert plan(model, sizes, example) == Plan.of(partition(model, sizes, example)), (name, names)
