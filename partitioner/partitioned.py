@@ -59,6 +59,7 @@ class Partitioned:
         """Replace this rank's tensors by its slices of a safetensors checkpoint (a file, an index file or a
         diffusers model folder), keeping the checkpoint's dtypes, on ``device`` (default: the mesh's device).
         Non-persistent buffers (e.g. ``rope.inv_freq``) are not in checkpoints: they keep their computed values.
+        Weights in training are written into (an optimizer holds them), in their own dtype.
         Nothing is replaced unless every tensor was found and read. ``compile(backend="xla")``, which drives every
         device from one process, reads the whole tensors from the same checkpoint when it runs.
         On a DeviceMesh every rank must call it: each rank reads and checks its shards into staging, the ranks

@@ -15,8 +15,7 @@ from partitioner import partition
 from partitioner.backends import Backend, eager, register
 from partitioner.passes import differentiate
 from partitioner.placement import is_sharded
-from partitioner.runtime import differentiable
-from partitioner.runtime.kernel_gradients import summed_now
+from partitioner.runtime import differentiable, kernel_gradients
 from partitioner.runtime.weights import shard_tensor
 from partitioner.testing import (RankPool, ViewHeads, attempt, flux_cfg_inputs, flux_inputs, run_ranks, tiny_flux,
                                  with_lora)
@@ -115,12 +114,12 @@ def test_a_lora_adapter_beside_a_column_shard_adds_no_collective():
 
 
 def _controls(rank, world):
-    """The TP=2 gradient error with each pairing broken in turn, and the refusals."""
+    """The TP=2 gradient error with each pairing broken in turn (no gradient sums; the all_reduce's gradient summed
+    again, as torch's own all_reduce backward does), and the refusals."""
     model, inputs = with_lora(tiny_flux()), flux_inputs()
     found = {}
     for broken, patch in (("no gradient sums", (differentiate, "_sum_shared_gradients", lambda *a: None)),
-                          ("summed twice", (differentiable._Summed, "backward",
-                                            staticmethod(_summed_again))),
+                          ("summed twice", (differentiable, "summed", kernel_gradients.sum_over_ranks)),
                           ("no patch", None)):
         saved = getattr(*patch[:2]) if patch else None
         if patch:
@@ -142,11 +141,6 @@ def _controls(rank, world):
     compiled = partition(model, _mesh((2,), ("tp",)), ((), inputs), timeout=30).compile("inference-only")
     found["inference-only"] = attempt(lambda: compiled(**inputs).sample.sum().backward())
     return found
-
-
-def _summed_again(ctx, grad):
-    """torch's own all_reduce backward: the gradient summed over the ranks again."""
-    return summed_now(grad, ctx.group_name), None
 
 
 def test_negative_controls_break_the_gradients_and_refusals_name_the_backend():
@@ -212,3 +206,46 @@ def test_load_weights_writes_into_the_parameters_an_optimizer_holds(two, tmp_pat
               tmp_path / "model.safetensors")
     for rank, (same_objects, loaded) in enumerate(two.run(_load_into_parameters, str(tmp_path / "model.safetensors"))):
         assert same_objects and loaded, rank
+
+
+def test_ring_blocks_merged_where_a_row_sees_no_key_of_a_block_have_exact_gradients():
+    """Ring attention's differentiable path, one process: a query row whose keys in one block are all masked out
+    (padded text on the last rank) has log-sum-exp -inf there, whose softmax and merge gave NaN gradients; the
+    blocks merged as the ring does match one attention over every key, values and gradients."""
+    from partitioner.runtime.collectives import _attention_block, _merge_weights
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    k2, v2 = (torch.randn(1, 2, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(1, 1, 4, 6, dtype=torch.float64)
+    mask[..., 1, :4] = float("-inf")  # row 1 sees no key of the first block
+    mask[..., 2, 4:] = float("-inf")  # row 2 none of the second
+    out, lse = _attention_block(q, k, v, None, fused=False, mask=mask[..., :4])
+    block_out, block_lse = _attention_block(q, k2, v2, None, fused=False, mask=mask[..., 4:])
+    _, kept, added = _merge_weights(lse, block_lse)
+    ring = out * kept + block_out * added
+    whole = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2),
+                                                             attn_mask=mask)
+    weights = torch.randn(ring.shape, dtype=torch.float64)
+    ours = torch.autograd.grad((ring * weights).sum(), (q, k, v, k2, v2))
+    theirs = torch.autograd.grad((whole * weights).sum(), (q, k, v, k2, v2))
+    torch.testing.assert_close(ring, whole)
+    for mine, expected in zip(ours, theirs):
+        torch.testing.assert_close(mine, expected)
+
+
+class _GatedMLP(torch.nn.Module):
+    """An ordinary gated MLP whose row-parallel sum meets a column shard of another input: no low-rank branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.gate, self.out = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x, e):
+        return self.out(self.gate(e) * self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def test_only_a_branch_beside_a_column_shard_of_its_own_input_is_kept_whole():
+    styles = partition(_GatedMLP(), {"tp": 2}, ((torch.randn(3, 64), torch.randn(3, 16)), {})).linear_styles
+    assert styles["up"] == "colwise" and styles["down"] == "rowwise", styles

@@ -5,7 +5,8 @@ is left as it is. Every rank computes the same loss from the same whole outputs,
 one device computes, laid out as the value is (``runtime.differentiable`` says how each collective answers):
 
 1. each collective's issue and wait become one differentiable call (``summed``, ``gathered``, ``reduce_scattered``,
-   ``exchanged``; the overlap of the inference program is given up);
+   ``exchanged``) where it was issued: the ranks issue collectives in one order (``schedule_collectives``), while
+   each rank's waits sit where its own costs put them. The overlap of the inference program is given up;
 2. where a value replicated over an axis is read by an op whose result is not (a column shard of a projection, a
    rank's slice of the rows, a product with a partial sum), each rank's backward holds only its share of that
    value's gradient: ``sum_gradients`` between them sums the shares over the axis. That is how the gradients of
@@ -48,17 +49,17 @@ def run(gm: GraphModule, mesh, owner: str) -> GraphModule:
 
 def _where(node: Node) -> str:
     path = module_path(node)
-    return f"{node.name}" + (f" (in {path})" if path else "")
+    return node.name + (f" (in {path})" if path else "")
 
 
-def _replace(old: Node, target, args: tuple) -> Node:
-    """A call of ``target`` in place of ``old``, with its meta (its value and placements)."""
-    with old.graph.inserting_before(old):
-        new = old.graph.call_function(target, args)
-    new.meta = dict(old.meta)
-    old.replace_all_uses_with(new)
-    old.graph.erase_node(old)
-    return new
+def _paired(issue: Node, wait: Node, target, args: tuple) -> None:
+    """One call of ``target`` at ``issue``'s place, for the pair: the wait's value and placements, its readers."""
+    with issue.graph.inserting_before(issue):
+        new = issue.graph.call_function(target, args)
+    new.meta = dict(wait.meta)
+    wait.replace_all_uses_with(new)
+    issue.graph.erase_node(wait)
+    issue.graph.erase_node(issue)
 
 
 def _pair_collectives(gm: GraphModule, mesh, owner: str) -> None:
@@ -67,24 +68,20 @@ def _pair_collectives(gm: GraphModule, mesh, owner: str) -> None:
         if issue.target is functional.all_reduce.default:
             (wait,) = issue.users
             x, _, group_name = issue.args
-            _replace(wait, differentiable.summed, (x, group_name))
+            _paired(issue, wait, differentiable.summed, (x, group_name))
         elif issue.target in collectives.STARTS:
             (wait,) = issue.users
-            axis = issue.meta["collective"][1]
-            index = mesh.coordinate(axis)
+            index = mesh.coordinate(issue.meta["collective"][1])
             if issue.target is collectives.all_gather_start:
                 x, dim, sizes, group_name = issue.args
-                _replace(wait, differentiable.gathered, (x, dim, sizes, index, group_name))
+                _paired(issue, wait, differentiable.gathered, (x, dim, sizes, index, group_name))
             elif issue.target is collectives.reduce_scatter_start:
                 x, dim, sizes, group_name = issue.args
-                _replace(wait, differentiable.reduce_scattered, (x, dim, sizes, index, group_name))
+                _paired(issue, wait, differentiable.reduce_scattered, (x, dim, sizes, index, group_name))
             else:
                 x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, _order, group_name = issue.args
-                _replace(wait, differentiable.exchanged,
-                         (x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, group_name))
-        else:
-            continue
-        graph.erase_node(issue)
+                _paired(issue, wait, differentiable.exchanged,
+                        (x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, group_name))
     for node in graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
             raise BackwardUnsupported(f"{owner}: backward through a partitioned program: the collective "
@@ -107,6 +104,8 @@ def _copy_as_value(gm: GraphModule) -> None:
         for new in (cast, value, owned):
             new.meta = {key: node.meta[key] for key in ("val", "placements", "nn_module_stack", "stack_trace")
                         if key in node.meta}
+        if isinstance(source.meta.get("val"), torch.Tensor):  # (the cast has the source's shape)
+            cast.meta["val"] = source.meta["val"].to(like.dtype)
         node.replace_all_uses_with(owned)
         graph.erase_node(node)
 

@@ -116,22 +116,28 @@ def _propagate(gm: GraphModule, roles: LinearRoles, gathered: set[Node], degree:
 
 
 def _low_rank_branches(sweep: _Propagation, roles: LinearRoles) -> dict[Node, str]:
-    """Column seeds to drop where a column -> row pair ends in a sum that is sharded again: a low-rank branch added to
-    a column-sharded projection (a LoRA ``B(A(x)) * scale`` beside its base layer). Sharding A by columns makes B
-    row-wise, and its Partial output needs an all_reduce to join the column shard; with A whole, B is a column shard
-    like its base layer and the branch needs no collective."""
+    """Column seeds to drop for a branch beside a column-parallel projection of the same input, added to its output:
+    ``base(x) + B(A(x)) * scale`` (a LoRA adapter). Sharding A by columns makes B row-wise, and B's Partial sum then
+    needs an all_reduce to join base's column shard; with A whole, B is a column shard like base and the branch
+    needs no collective."""
     found = {}
     for node, decision in sweep.decisions.items():
+        if node.target is not aten.add.Tensor:
+            continue
         for source, required in decision.inputs.items():
             if not is_sharded(required) or is_sharded(sweep.placements.get(source)):
-                continue  # (a whole or partial value read as a shard: sliced locally after its sum)
+                continue  # (the branch's whole or partial sum, read as a shard: sliced after its all_reduce)
             row = _single_source(source, lambda n: n.target is aten.linear.default
                                  and isinstance(sweep.placements.get(n), Partial))
             column = None if row is None else _single_source(
                 row.args[0], lambda n: n in roles.colwise and n not in roles.forced)
-            if column is not None:
-                found.setdefault(column, f"{node.name}: a low-rank branch ({column.name} -> {row.name}) joins a "
-                                         "column shard; kept whole, the branch is column-sharded with no collective")
+            others = [n for n in node.all_input_nodes if n is not source]
+            base = _single_source(others[0], lambda n: n in roles.colwise and n.target is aten.linear.default) \
+                if len(others) == 1 else None
+            if column is not None and base is not None and _root(column.args[0]) is _root(base.args[0]):
+                found.setdefault(column, f"{node.name}: a low-rank branch ({column.name} -> {row.name}) beside the "
+                                         f"column shard {base.name} of the same input; kept whole, the branch is "
+                                         "column-sharded with no collective")
     return found
 
 
@@ -139,11 +145,22 @@ def _single_source(node: Node, wanted) -> Node | None:
     """The node ``wanted`` picks, found from ``node`` back through ops of one tensor input (a scaling, a dropout);
     None where the chain branches (or starts) first."""
     while not wanted(node):
-        inputs = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        inputs = _tensor_inputs(node)
         if len(inputs) != 1 or node.op != "call_function":
             return None
         node = inputs[0]
     return node
+
+
+def _root(node: Node) -> Node:
+    """Where the chain of one-tensor-input ops that ends at ``node`` starts."""
+    while node.op == "call_function" and len(_tensor_inputs(node)) == 1:
+        node = _tensor_inputs(node)[0]
+    return node
+
+
+def _tensor_inputs(node: Node) -> list[Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
 
 
 def _refined_packing(current: tuple[int, ...] | None, total: int, request: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -205,26 +205,42 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         scores = rows @ keys * scale
         if mask is not None:
             scores = scores + (mask if mask.shape[-2] == 1 else mask[..., start:start + rows.shape[-2], :])
-        lse = torch.logsumexp(scores, dim=-1)
-        lses.append(lse)
-        outs.append((torch.softmax(scores, dim=-1) @ values).masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0))
+        # rows masked out over this whole block: scores of 0 stand in (a softmax of -inf only would give NaN, and
+        # so would its gradient), their output and log-sum-exp set after
+        dead = torch.isneginf(scores).all(-1, keepdim=True)
+        scores = scores.masked_fill(dead, 0.0)
+        lses.append(torch.logsumexp(scores, dim=-1).masked_fill(dead.squeeze(-1), float("-inf")))
+        outs.append((torch.softmax(scores, dim=-1) @ values).masked_fill(dead, 0.0))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
+def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
+    """The online softmax's merge of two partial results by their log-sum-exps: (the merged log-sum-exp, the
+    running output's weight, the block's weight). A row masked out in both stays -inf with weights 0, computed so
+    that its gradient is 0 too (logaddexp of two -inf has a NaN one)."""
+    both = torch.isneginf(lse) & torch.isneginf(block_lse)
+    merged = torch.logaddexp(lse.masked_fill(both, 0.0), block_lse.masked_fill(both, 0.0))
+    merged = merged.masked_fill(both, float("-inf"))
+    finite = merged.masked_fill(both, 0.0)
+    return merged, torch.exp(lse - finite).unsqueeze(-1), torch.exp(block_lse - finite).unsqueeze(-1)
+
+
 def _pass_on(k: torch.Tensor, v: torch.Tensor, incoming: tuple[int, ...], ranks: int, index: int,
-             group_name: str, recording: bool = False) -> torch.Tensor:
+             group_name: str, recording: bool = False):
     """Launch the ring step: send this rank's key/value block to the next rank and receive the previous rank's
     block (``incoming``: its k and v shapes' row counts and the elements they hold). One all_to_all_single whose
     only non-empty pieces go to the next rank and come from the previous one: a collective-permute that sizes
-    each message exactly (uneven blocks need no padding). Returns the pending result (wait_tensor it); with gradients
-    (``recording``) the received blocks, done."""
+    each message exactly (uneven blocks need no padding). Returns what receives the block: a wait for the transfer
+    in flight, or, with gradients (``recording``: the exchange paired with its backward), the block received."""
     send = torch.cat([k.reshape(-1), v.reshape(-1)])
     sizes_out, sizes_in = [0] * ranks, [0] * ranks
     sizes_out[(index + 1) % ranks] = send.numel()
     sizes_in[(index - 1) % ranks] = sum(incoming)  # (on a ring of 2 the same rank as the next)
     if recording:
-        return kernel_gradients.permuted(send, sizes_in, sizes_out, group_name)
-    return functional.all_to_all_single(send, sizes_in, sizes_out, group_name)
+        received = kernel_gradients.permuted(send, sizes_in, sizes_out, group_name)
+        return lambda: received
+    pending = functional.all_to_all_single(send, sizes_in, sizes_out, group_name)
+    return lambda: functional.wait_tensor(pending)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, rows: list[int],
@@ -247,30 +263,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     recording = kernel_gradients.recording(q, k, v)
     holder = index  # whose block this rank holds now
     for step in range(ranks):
-        pending = None
+        receive = None
         if step < ranks - 1:
             source = (holder - 1) % ranks
             shape_k[-2] = shape_v[-2] = rows[source]
             incoming = (math.prod(shape_k), math.prod(shape_v))
-            pending = _pass_on(k, v, incoming, ranks, index, group_name, recording)
+            receive = _pass_on(k, v, incoming, ranks, index, group_name, recording)
         block_mask = None if mask is None else torch.cat([mask[..., a:b] for a, b in mask_columns[holder]], -1)
         block_out, block_lse = _attention_block(q, k, v, scale, fused=False if recording else None, mask=block_mask)
         if out is None:
             out, lse = block_out, block_lse
-        elif recording:
-            merged = torch.logaddexp(lse, block_lse)
-            finite = merged.masked_fill(torch.isneginf(merged), 0.0)
-            out = out * torch.exp(lse - finite).unsqueeze(-1) + block_out * torch.exp(block_lse - finite).unsqueeze(-1)
-            lse = merged
-        else:  # in place: the running output and this block's are the only float32 buffers held
-            merged = torch.logaddexp(lse, block_lse)
-            finite = merged.masked_fill(torch.isneginf(merged), 0.0)  # (rows masked out so far: weights 0)
-            out = out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(
-                block_out.mul_(torch.exp(block_lse - finite).unsqueeze(-1)))
-            lse = merged
-        if pending is not None:
-            received = pending if recording else functional.wait_tensor(pending)
-            k_part, v_part = received.split(list(incoming))
+        else:
+            lse, kept, added = _merge_weights(lse, block_lse)
+            if recording:  # (autograd needs the outputs it saved)
+                out = out * kept + block_out * added
+            else:  # in place: the running output and this block's are the only float32 buffers held
+                out = out.mul_(kept).add_(block_out.mul_(added))
+        if receive is not None:
+            k_part, v_part = receive().split(list(incoming))
             k, v = k_part.view(shape_k), v_part.view(shape_v)
             holder = source
     return out.to(q.dtype)

@@ -42,7 +42,6 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes:
 class _Summed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name):
-        ctx.group_name = group_name  # (unused by the backward: kept for what a test may sum it over)
         return summed_now(x, group_name)
 
     @staticmethod

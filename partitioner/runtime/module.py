@@ -54,8 +54,6 @@ class PartitionedModule(torch.nn.Module):
         self.train(partitioned.traced_training)
         lowered, tensors = partitioned.lower(backend, **options)
         self._first = CompiledPartition(lowered, partitioned, backend, tensors=tensors, options=options)
-        for name, parameter in partitioned.trained_parameters().items():  # under the model's names
-            _register_parameter(self, name, parameter)
         self._partitioned, self._backend, self._options = partitioned, backend, dict(options)
         self._cache: OrderedDict = OrderedDict()  # call shape signature -> CompiledPartition
         self.max_specializations = max_specializations
@@ -77,6 +75,9 @@ class PartitionedModule(torch.nn.Module):
             self.first_step = first_step_line(self._partitioned.seconds)
             log.info("%s: %s", self._partitioned.model_name, self.first_step)
             return result
+
+        for name, parameter in partitioned.trained_parameters().items():  # under the model's names
+            _register_parameter(self, name, parameter, partitioned.model_name)
 
         forward.__signature__ = signature  # what pipelines inspect
         forward.__doc__ = f"{partitioned.model_name}.forward, partitioned over {partitioned.mesh}"
@@ -245,9 +246,13 @@ class PartitionedModule(torch.nn.Module):
             del self._cache[key]
 
 
-def _register_parameter(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:
+def _register_parameter(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter, owner: str) -> None:
     """``parameter`` at the dotted ``name`` under ``root``, the modules on the way made as plain containers."""
     *path, leaf = name.split(".")
+    top = path[0] if path else leaf
+    if top not in root._modules and top not in root._parameters and hasattr(root, top):
+        raise InputError(f"{owner}: the trained weight {name!r} would hide the compiled module's own {top!r}; "
+                         "rename that module in the model to train it through a partition")
     for part in path:
         if part not in root._modules:
             root.add_module(part, torch.nn.Module())

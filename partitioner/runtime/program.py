@@ -10,7 +10,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import BackwardUnsupported, InputError
+from ..errors import BackwardUnsupported, InputError, our_step
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, same_constant, value_digest
@@ -77,11 +77,13 @@ class CompiledPartition:
 
         backend = backends.BACKENDS.get(self.backend)
         if backend is None or backend.train is None or backend.takes != "rank":
-            return Training(None, f"{self.owner}: backward through a partition runs on the 'eager' and 'inductor' "
-                                  f"backends; {self.backend!r} runs inference only. Call the model under "
-                                  "torch.no_grad(), or compile it with backend='eager' or 'inductor' to train")
+            training = " and ".join(repr(name) for name, b in sorted(backends.BACKENDS.items()) if b.train)
+            return Training(None, f"{self.owner}: backward through a partition runs on the {training} backends; "
+                                  f"{self.backend!r} runs inference only. Call the model under torch.no_grad(), or "
+                                  "compile it with one of those to train")
         try:
-            graph = differentiate.run(self.partitioned.graph_module, self.partitioned.mesh, self.owner)
+            with our_step("building the training copy of the program", BackwardUnsupported):
+                graph = differentiate.run(self.partitioned.graph_module, self.partitioned.mesh, self.owner)
         except BackwardUnsupported as error:
             return Training(None, str(error))
         return Training(backend.train(graph, **self.options), None)

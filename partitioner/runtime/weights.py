@@ -9,7 +9,8 @@ from ..placement import slice_local
 
 
 def shard_tensor(tensor: torch.Tensor, spec: dict, mesh: MeshSpec) -> torch.Tensor:
-    """Cut ``tensor`` by ``spec`` ({axis: placement}) for this rank, detached: partitions are for inference."""
+    """Cut ``tensor`` by ``spec`` ({axis: placement}) for this rank, detached (the weights a partition trains are
+    made parameters of their own, ``Partitioned.train_weights``)."""
     tensor = tensor.detach()
     for axis in mesh.axis_names:  # outer axes first, as local_shape
         if axis in spec:
