@@ -22,7 +22,7 @@ from .partitioned import Partitioned
 from .passes.context import Overlap
 from .passes.plan_sequence import warn_whole_attentions
 from .plans import Plan
-from .runtime.agreement import DEFAULT_TIMEOUT, bounded_groups
+from .runtime.rank_groups import DEFAULT_TIMEOUT, bounded_groups
 from .runtime.fingerprints import check_fingerprint, weights_digest
 from .runtime.gradients import marked_to_train
 

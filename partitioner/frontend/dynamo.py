@@ -24,7 +24,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..errors import InputError
-from ..runtime.agreement import DEFAULT_TIMEOUT
+from ..runtime.rank_groups import DEFAULT_TIMEOUT
 from ..runtime.fingerprints import call_signature, check_fingerprint
 from ..runtime.gradients import frontend_reason, marked_to_train, refusing_backward, wants_gradients
 from .trace import GraphInput, Traced, TraceError, clean_export_graph, functionalize

@@ -115,7 +115,7 @@ def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, at
     """``_verify`` on every rank; a collective that fails or times out (a peer that did not call verify) marks the
     partition unusable and is a ``CollectiveTimeout``."""
     from ..errors import CollectiveTimeout, PartitionerError
-    from .agreement import _first_line, forget
+    from .rank_groups import first_line, forget
 
     guard = partitioned.guard
     guard.check_usable()
@@ -126,10 +126,10 @@ def verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, at
     except RuntimeError as error:
         if guard.groups is None:
             raise
-        guard.broken = f"verify() failed in a collective: {_first_line(error)}"
+        guard.broken = f"verify() failed in a collective: {first_line(error)}"
         forget(guard.groups)
         raise CollectiveTimeout(f"verify() on rank {partitioned.mesh.rank}: a collective did not complete within "
-                                f"{guard.groups.timeout:g} s, or failed ({_first_line(error)}): every rank must call "
+                                f"{guard.groups.timeout:g} s, or failed ({first_line(error)}): every rank must call "
                                 "verify() with the same inputs; the partition's message streams may now be out of "
                                 "step, so it is unusable: partition the model again on every rank") from error
 
