@@ -109,9 +109,10 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
     partitioned.source = weakref.ref(model)
-    partitioned.trainable = marked_to_train([p.requires_grad for p in model.parameters()], model.training)
-    if partitioned.trainable:  # an optimizer steps this rank's shards of them: compile()'s module's parameters
-        partitioned.train_weights(name for name, p in model.named_parameters() if p.requires_grad)
+    requires_grad = [p.requires_grad for p in model.parameters()]
+    partitioned.trainable = marked_to_train(requires_grad, model.training)
+    if partitioned.trainable and not all(requires_grad):  # an optimizer steps this rank's shards of them (compile()'s
+        partitioned.train_weights(name for name, p in model.named_parameters() if p.requires_grad)  # parameters)
     partitioned.traced_training = model.training
     partitioned.skeleton = _skeleton(model)
     partitioned.model_config = getattr(model, "config", None)

@@ -79,8 +79,8 @@ class Partitioned:
         with self.guard.exclusive():  # (its exchange shares the mesh's groups with every call)
             agree_on_staging(self.guard, failure, f"load_weights({str(path)!r})")
         for name, weight in self.state.items():  # weights in training keep their identity (an optimizer holds them)
-            if isinstance(weight, torch.nn.Parameter) and name in staged:
-                weight.data = staged[name].to(weight.dtype)
+            if isinstance(weight, torch.nn.Parameter) and name in staged:  # (swapped: a meta one takes real data)
+                torch.utils.swap_tensors(weight, torch.nn.Parameter(staged[name].to(weight.dtype)))
                 staged[name] = weight
         self.state = staged
         self.checkpoint = (path, strict)

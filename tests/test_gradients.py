@@ -140,6 +140,10 @@ def _controls(rank, world):
     register(Backend("inference-only", "rank", eager.lower))
     compiled = partition(model, _mesh((2,), ("tp",)), ((), inputs), timeout=30).compile("inference-only")
     found["inference-only"] = attempt(lambda: compiled(**inputs).sample.sum().backward())
+    # a model left in training mode with every weight requiring grad: no weight is marked to train, none is trained
+    whole, x = _lora_attention()[0].requires_grad_(True).train(), torch.randn(1, 6, 32, requires_grad=True)
+    compiled = partition(whole, _mesh((2,), ("tp",)), ((), {"x": x}), timeout=30).compile()
+    found["all trainable"] = attempt(lambda: compiled(x=x).sum().backward())
     return found
 
 
@@ -150,6 +154,8 @@ def test_negative_controls_break_the_gradients_and_refusals_name_the_backend():
         assert found["summed twice"] > 100 * TOLERANCE, (rank, found)
         kind, message, _ = found["inference-only"]
         assert kind == "BackwardUnsupported" and "'inference-only' runs inference only" in message, (rank, message)
+        kind, message, _ = found["all trainable"]
+        assert kind == "BackwardUnsupported" and "every weight requiring grad" in message, (rank, message)
 
 
 class _CopiesInPlace(torch.nn.Module):
@@ -167,7 +173,7 @@ class _CopiesInPlace(torch.nn.Module):
 
 def _copy_gradient(rank, world):
     torch.manual_seed(0)
-    model, x = _CopiesInPlace(), torch.randn(2, 5, 8)
+    model, x = _CopiesInPlace().eval(), torch.randn(2, 5, 8)
     compiled = partition(model, _mesh((2,), ("tp",)), ((x,), {}), timeout=30).compile()
     ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
     _loss(compiled(ours)).backward()
