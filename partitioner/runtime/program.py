@@ -75,6 +75,11 @@ class CompiledPartition:
         from .. import backends
         from ..passes import differentiate
 
+        if self.partitioned.trainable and not self.partitioned.trained_parameters():  # (before any copy is built)
+            return Training(None, f"{self.owner}: the model is in training mode with every weight requiring grad; a "
+                                  "partition trains the weights marked to train, the others frozen (as LoRA leaves "
+                                  "them: model.requires_grad_(False), then the adapters). Call .eval() (or "
+                                  "torch.no_grad()) for inference")
         backend = backends.BACKENDS.get(self.backend)
         if backend is None or backend.train is None or backend.takes != "rank":
             training = " and ".join(repr(name) for name, b in sorted(backends.BACKENDS.items()) if b.train)
@@ -221,11 +226,6 @@ class CompiledPartition:
         program, refusal = self.lowered, None
         if wants_gradients(checked.flat, self.partitioned.trainable):
             program, refusal = self.training
-            if self.partitioned.trainable and not self.partitioned.trained_parameters():
-                program, refusal = None, (f"{self.owner}: the model is in training mode with every weight requiring "
-                                          "grad; a partition trains the weights marked to train, the others frozen "
-                                          "(as LoRA leaves them: model.requires_grad_(False), then the adapters). "
-                                          "Call .eval() (or torch.no_grad()) for inference")
             if program is not None and any(value.is_floating_point() for value in checked.hosted):
                 program, refusal = None, (f"{self.owner}: backward through the host prologue (data-dependent ops run "
                                           "on the CPU before the device graph) is not supported; call the model "
