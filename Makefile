@@ -35,9 +35,10 @@ demo-xla: $(XLA_VENV)/.installed
 
 # The whole suite on the newest torch, then on torch 2.9 the XLA SPMD tests (4 virtual CPU devices) and a
 # compatibility subset that runs programs end to end: TP numerics, the denoise step's host prologue under TP and
-# TP x Ulysses, checkpoints, bad input, and the rank agreement (process groups, timeouts, tracebacks).
+# TP x Ulysses, checkpoints, bad input, the rank agreement (process groups, timeouts, tracebacks), and a plan saved
+# under torch 2.13 applied to a torch 2.9 trace.
 COMPAT := tests/xla tests/test_tp_numerics.py tests/test_hoist_host.py tests/test_checkpoint.py \
-	tests/test_bad_input.py tests/test_rank_agreement.py
+	tests/test_bad_input.py tests/test_rank_agreement.py tests/test_saved_plans.py
 test: $(VENV)/.installed $(XLA_VENV)/.installed test-wheel
 	$(PY) -m pytest -q tests --ignore=tests/xla
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 $(XLA_PY) -m pytest -q $(COMPAT)

@@ -5,6 +5,7 @@ plan before any program runs (``build_agreed``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -18,6 +19,7 @@ from .errors import DataDependentNumber, InputError, PartitionError
 from .frontend.padding import parse_buckets
 from .frontend.randomness import refuse_randomness
 from .frontend.trace import Traced, copy_graph_module, trace
+from .frontend.value_specialization import method_as_forward
 from .mesh import MeshSpec
 from .partitioned import Partitioned
 from .passes import PLAN, TO_RANK, run_passes
@@ -89,7 +91,7 @@ def compared_plan_lines(partitioned: Partitioned, header: list[str]) -> list[str
     whose devices lay a value out differently would read each other's pieces wrong, with no error); device indices
     left out (each rank has its own GPU)."""
     device = re.compile(r"device\(type='(\w+)', index=\d+\)")
-    chunks = [f"all_reduce of {path}: {how.split(' (')[0]}" for path, how in sorted(partitioned.ctx.chunked.items())]
+    chunks = [f"all_reduce of {path}: {how.chunks} chunks" for path, how in sorted(partitioned.ctx.chunked.items())]
     orders = [f"all_to_all of {node.args[0].name}: pieces in order {node.args[6]}"
               for node in partitioned.graph_module.graph.nodes if node.target is collectives.all_to_all_start]
     return [device.sub(r"device(type='\1')", line)
@@ -127,6 +129,7 @@ def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: d
         gm = run_passes(gm, ctx, TO_RANK, dump)
     traced.graph_module, traced.inputs = gm, ctx.inputs
     partitioned = Partitioned(model_name, traced, ctx, planned)
+    partitioned._specializer = specialize
     if dump.directory:  # the plan as a picture beside the pass dumps
         write_html(partitioned, dump.directory / "plan.html")
     return partitioned
@@ -149,16 +152,15 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
                              "buckets pad; drop the bucket for it (each size is then traced on its own)")
     if isinstance(plan, Plan):
         plan.check_mesh(mesh.sizes)
-        unknown = sorted(set(plan.sequence_seeds_by_axis or {}) - set(mesh.axis_names))
+        unknown = sorted(set(plan.sequence_seeds or {}) - set(mesh.axis_names))
         if unknown:
-            raise PartitionError(f"the plan's sequence_seeds_by_axis names mesh axes {unknown} that the mesh "
+            raise PartitionError(f"the plan's sequence_seeds name mesh axes {unknown} that the mesh "
                                  f"{mesh.sizes} does not have; plan again for this mesh")
-        overrides = plan.linear_overrides()
-        ctx.plan = {path: style for path, (style, _, _) in overrides.items()}
-        ctx.packed_overrides = {path: blocks for path, (_, blocks, _) in overrides.items() if blocks}
-        ctx.unit_overrides = {path: unit for path, (_, _, unit) in overrides.items() if unit > 1}
-        ctx.given_sequence_seeds = dict(plan.sequence_seeds) if plan.sequence_seeds is not None else None
-        ctx.given_sequence_seeds_by_axis = plan.sequence_seeds_by_axis
+        decided = plan.linear_decisions()
+        ctx.plan = {path: entry.style for path, entry in decided.items()}
+        ctx.packed_overrides = {path: entry.blocks for path, entry in decided.items() if entry.blocks}
+        ctx.unit_overrides = {path: entry.unit for path, entry in decided.items() if entry.unit > 1}
+        ctx.given_sequence_seeds = None if plan.sequence_seeds is None else dict(plan.sequence_seeds)
         ctx.bounds = {**plan.bounds, **ctx.bounds}
     else:
         ctx.plan = dict(plan or {})
@@ -166,3 +168,57 @@ def decide(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, s
     gm = traced.graph_module
     dump("export", gm, ctx)
     return ctx, run_passes(gm, ctx, PLAN, dump), dump
+
+
+def specialize(partitioned: Partitioned, example_inputs) -> Partitioned:
+    """``Partitioned.specialize``: ``partitioned``'s skeleton traced on ``example_inputs`` with its plan applied,
+    sharing its weights, process groups and guard. The plan's sequence seeds are derived again where the new trace
+    has no value for one of their keys (the Linears' plan is kept)."""
+    plan, skeleton = Plan.of(partitioned), partitioned.skeleton
+    options = dict(mesh=partitioned.mesh, model_name=partitioned.model_name, bounds=partitioned.ctx.bounds,
+                   buckets=partitioned.ctx.buckets, overlap=partitioned.ctx.overlap)
+
+    def partition_with(traced: Traced) -> Partitioned:
+        try:
+            return partition_traced(traced, plan=plan, **options)
+        except DataDependentNumber:
+            raise
+        except PartitionError as error:
+            traced = trace(skeleton, example_inputs, specialize_values=traced.values_specialized)
+            new = partition_traced(traced, plan=dataclasses.replace(plan, sequence_seeds=None), **options)
+            new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
+            return new
+
+    def build() -> Partitioned:
+        # traced for its inputs' values: so is every specialisation
+        new = trace_and_partition(skeleton, example_inputs, partition_with,
+                                  specialize_values=partitioned.traced.values_specialized)
+        if new.slice_specs != partitioned.slice_specs:
+            raise PartitionError(f"{partitioned.model_name}: these input shapes would cut the weights differently "
+                                 "than the traced ones; partition again for them")
+        # The weights are shared. The new trace's own constants (what it folded from the values it was traced
+        # for, tensors the model makes from literals) replace those of the same name.
+        new.state = {**partitioned.state, **_real_constants(new, new.state, partitioned.state)}
+        if partitioned.global_state is not None:
+            new.global_state = {**partitioned.global_state,
+                                **_real_constants(new, new.global_state, partitioned.global_state)}
+        for name in ("checkpoint", "model_config", "model_dtype", "skeleton", "source", "trainable",
+                     "traced_training", "traced_autocast"):
+            setattr(new, name, getattr(partitioned, name))
+        return new
+
+    with method_as_forward(skeleton, partitioned.method):
+        specialized = build_agreed(build, partitioned.mesh, partitioned.guard.groups,
+                                   {"specialize": partitioned.model_name})
+    specialized.method = partitioned.method
+    specialized.guard = partitioned.guard  # one partition: a failure in any specialisation stops them all
+    return specialized
+
+
+def _real_constants(partitioned: Partitioned, state: dict, like: dict) -> dict[str, torch.Tensor]:
+    """The constants of ``partitioned``'s trace that have values (a skeleton on the meta device traces meta ones),
+    on the device of the tensors in ``like``."""
+    device = next((t.device for t in like.values() if not t.is_meta), None)
+    return {gi.target: state[gi.target].to(device) if device is not None else state[gi.target]
+            for gi in partitioned.ctx.inputs if gi.kind == "constant" and gi.target in state
+            and not state[gi.target].is_meta}

@@ -3,7 +3,6 @@ asked of them (explain, report, verify, compile, load_weights, specialize)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from collections import Counter
@@ -11,17 +10,18 @@ from collections import Counter
 import torch
 
 from . import backends
-from .errors import (BackendError, CheckpointError, DataDependentNumber, InputError, MissingWeights, NotFound,
-                     PartitionError, VerificationError, did_you_mean, our_step)
-from .frontend.trace import Traced, trace
+from .decisions import LinearSharding
+from .errors import (BackendError, CheckpointError, InputError, MissingWeights, NotFound, VerificationError,
+                     did_you_mean, our_step)
+from .frontend.trace import Traced
 from .frontend.value_specialization import method_as_forward
 from .passes.context import PassContext
 from .planning.report import Report, build_report, collective_stats
-from .plans import Plan
 from .runtime.agreement import CallGuard, agree_on_staging
 from .runtime.checkpoint import load_shards
 from .runtime.fingerprints import check_fingerprint
-from .runtime.program import autocast_dtype, input_names, place_graph_on
+from .passes.device_layout import place_graph_on
+from .runtime.program import autocast_dtype, input_names
 from .runtime.weights import shard_state
 
 
@@ -50,6 +50,7 @@ class Partitioned:
         self.model_config, self.model_dtype = None, None  # what pipelines read from the model
         self._whole = None  # whole tensors for XLA, read again after load_weights
         self._children: list = []  # weak references to shape specialisations, which load_weights updates too
+        self._specializer = None  # build.specialize, set by the build step that made this partition
         # what making it cost, on the way to its first step: trace, passes, partition, load_weights, compile
         # (and "first call", which the drop-in module adds and logs: ``runtime.module.first_step_line``)
         self.seconds: dict[str, float] = {"passes": sum(ctx.pass_seconds.values())}
@@ -94,53 +95,14 @@ class Partitioned:
 
     def specialize(self, example_inputs) -> "Partitioned":
         """This partition for other input shapes: the skeleton traced on ``example_inputs`` and this partition's
-        plan applied (its sequence seeds re-derived if the new trace names values differently), sharing this rank's
-        weights, its process groups and its guard. Every rank must call it with inputs of the same shapes (inputs
-        with ``buckets`` padded to a bucket already)."""
-        from .build import build_agreed, partition_traced, trace_and_partition  # (which build Partitioned)
-
-        if self.skeleton is None:
+        plan applied (its sequence seeds derived again where the new trace has no value for a seed's key), sharing
+        this rank's weights, its process groups and its guard. Every rank must call it with inputs of the same
+        shapes (inputs with ``buckets`` padded to a bucket already). (``build.specialize``: the build steps live
+        there, and ``build`` hands itself over so that this module need not import it.)"""
+        if self.skeleton is None or self._specializer is None:
             raise InputError(f"{self.model_name}: this partition serves only the traced shapes (it was not made by "
                              "partition() from a module); partition again for other shapes")
-        plan = Plan.of(self)
-
-        def partition_with(traced: Traced) -> Partitioned:
-            try:
-                return partition_traced(traced, self.mesh, self.model_name, plan=plan, bounds=self.ctx.bounds,
-                                        buckets=self.ctx.buckets, overlap=self.ctx.overlap)
-            except DataDependentNumber:
-                raise
-            except PartitionError as error:  # the new trace's values have other names: keep the Linears' plan
-                traced = trace(self.skeleton, example_inputs, specialize_values=traced.values_specialized)
-                new = partition_traced(traced, self.mesh, self.model_name, bounds=self.ctx.bounds,
-                                       buckets=self.ctx.buckets, overlap=self.ctx.overlap,
-                                       plan=dataclasses.replace(plan, sequence_seeds=None, sequence_seeds_by_axis=None))
-                new.ctx.replanned = f"sequence seeds derived again: {str(error)[:200]}"
-                return new
-
-        def build() -> Partitioned:
-            # traced for its inputs' values: so is every specialisation
-            new = trace_and_partition(self.skeleton, example_inputs, partition_with,
-                                      specialize_values=self.traced.values_specialized)
-            if new.slice_specs != self.slice_specs:
-                raise PartitionError(f"{self.model_name}: these input shapes would cut the weights differently than "
-                                     "the traced ones; partition again for them")
-            # The weights are shared. The new trace's own constants (what it folded from the values it was traced
-            # for, tensors the model makes from literals) replace those of the same name.
-            new.state = {**self.state, **_real_constants(new, new.state, self.state)}
-            if self.global_state is not None:
-                new.global_state = {**self.global_state, **_real_constants(new, new.global_state, self.global_state)}
-            new.checkpoint = self.checkpoint
-            new.model_config, new.model_dtype, new.skeleton, new.source = \
-                self.model_config, self.model_dtype, self.skeleton, self.source
-            new.trainable, new.traced_training, new.traced_autocast = \
-                self.trainable, self.traced_training, self.traced_autocast
-            return new
-
-        with method_as_forward(self.skeleton, self.method):
-            specialized = build_agreed(build, self.mesh, self.guard.groups, {"specialize": self.model_name})
-        specialized.method = self.method
-        specialized.guard = self.guard  # one partition: a failure in any specialisation stops them all
+        specialized = self._specializer(self, example_inputs)
         self._children.append(weakref.ref(specialized))
         return specialized
 
@@ -198,8 +160,14 @@ class Partitioned:
 
     @property
     def linear_styles(self) -> dict[str, str]:
-        """The decision for every Linear: module path -> colwise / colwise packed [...] / rowwise / replicate."""
-        return self.ctx.linear_styles
+        """The decision for every Linear as text: module path -> colwise / colwise packed [...] / rowwise /
+        replicate (``linear_decisions`` holds them as values)."""
+        return {path: str(decided) for path, decided in self.ctx.linear_styles.items()}
+
+    @property
+    def linear_decisions(self) -> dict[str, LinearSharding]:
+        """The decision for every Linear: module path -> ``LinearSharding`` (style, packed blocks, unit)."""
+        return dict(self.ctx.linear_styles)
 
     def explain(self, module_path: str | None = None) -> str:
         """Why a Linear was planned the way it was, whether an attention module is sequence-sharded and why not, or
@@ -320,15 +288,6 @@ class Partitioned:
             state.update({name: self.global_state[name] for name in computed})
         _require_weights(state, ": use a model with weights, or load_weights(checkpoint)")
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
-
-
-def _real_constants(partitioned: "Partitioned", state: dict, like: dict) -> dict[str, torch.Tensor]:
-    """The constants of ``partitioned``'s trace that have values (a skeleton on the meta device traces meta ones),
-    on the device of the tensors in ``like``."""
-    device = next((t.device for t in like.values() if not t.is_meta), None)
-    return {gi.target: state[gi.target].to(device) if device is not None else state[gi.target]
-            for gi in partitioned.ctx.inputs if gi.kind == "constant" and gi.target in state
-            and not state[gi.target].is_meta}
 
 
 def _require_weights(state: dict[str, torch.Tensor], advice: str) -> None:

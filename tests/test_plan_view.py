@@ -11,7 +11,7 @@ import torch
 from partitioner import partition
 from partitioner.errors import InputError
 from partitioner.planning.plan_view import (UNGROUPED, _owning_block, block_of, plan_summary, render_html,
-    style_family, write_html)
+    write_html)
 from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, tiny_flux, tiny_h3
 
 MESH = {"tp": 2, "ulysses": 2}
@@ -96,9 +96,10 @@ def test_one_coloured_cell_per_linear(h3, page):
     assert len(parsed.linears) == len(styles) == summary["totals"]["linears"]
     titles = {title: classes for _, classes, title in parsed.linears}
     assert set(titles) == {f"{path}: {style}" for path, style in styles.items()}
+    decided = h3[0].linear_decisions
     for path, style in styles.items():
-        assert style_family(style) in titles[f"{path}: {style}"]
-    assert {style_family(style) for style in styles.values()} >= {"colwise", "rowwise", "replicate"}
+        assert decided[path].style.value in titles[f"{path}: {style}"]
+    assert {d.style.value for d in decided.values()} >= {"colwise", "rowwise", "replicate"}
 
 
 def test_embedded_json_is_the_summary(page):

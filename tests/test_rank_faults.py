@@ -308,18 +308,20 @@ def test_a_call_after_destroy_process_group_is_a_package_error(tmp_path):
 
 def test_plans_that_cannot_be_read_name_the_file_and_the_field(tmp_path):
     from partitioner import InputError, Plan
+    from partitioner.decisions import LinearSharding, Style
 
     good = Plan({"tp": 2}, {"proj_in": "colwise"}).to_json()  # (a plan for any model: only read here)
     (tmp_path / "cut.json").write_text(good[:len(good) // 2])
     cases = {"": "give a plan file's path", str(tmp_path / "none.json"): "does not exist",
              str(tmp_path / "cut.json"): "is not valid JSON", str(tmp_path): "cannot be read",
-             good.replace('"colwise"', '["colwise"]'): "field 'linears' must be an object of module path -> style",
+             good.replace('"colwise"', '["colwise"]'): "'proj_in'.* is not a Linear decision",
+             good.replace('"version": 2', '"version": 1'): "plan version 1 found its sequence seeds by fx node names",
              good.replace('"tp": 2', '"tp": "2"'): "field 'mesh'"}
     for source, message in cases.items():
         with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Plan.from_json(source)
     with pytest.raises(InputError, match="'proj_in'.*unit or block of 0"):
-        Plan({"tp": 2}, {"proj_in": "colwise in units of 0"}).linear_overrides()
+        Plan({"tp": 2}, {"proj_in": LinearSharding(Style.COLWISE, unit=0)}).linear_decisions()
 
 
 def test_a_bad_index_json_is_a_checkpoint_error_naming_the_entry(tmp_path):

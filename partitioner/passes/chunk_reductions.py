@@ -21,6 +21,7 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
+from ..decisions import Chunking
 from ..errors import InvariantError
 from ..placement import local_shape
 from ..planning.cost import collective_s, load_profile
@@ -123,7 +124,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         n, why = _chunks(linear, reduce, ctx, profile)
         path = module_path(linear) or linear.name
-        ctx.chunked[path] = f"{n} chunks ({why})" if n > 1 else f"whole ({why})"
+        ctx.chunked[path] = Chunking(n, why)
         if n > 1:
             _split(linear, reduce, next(iter(reduce.users)), n)
     return gm

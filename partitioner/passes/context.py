@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decisions import AttentionSequencing, BatchSplit, Chunking, LinearSharding, SequenceSeed
 from ..errors import InvariantError
 from ..frontend.trace import GraphInput
 from ..mesh import MeshSpec
@@ -48,29 +49,27 @@ class PassContext:
     plan: dict[str, str] = field(default_factory=dict)  # user overrides, diffusers `_tp_plan` key syntax
     packed_overrides: dict[str, tuple[int, ...]] = field(default_factory=dict)  # path -> packed blocks (a Plan)
     unit_overrides: dict[str, int] = field(default_factory=dict)  # path -> the unit a column shard splits in (a Plan)
-    given_sequence_seeds: dict[str, int] | None = None  # a Plan's sequence seeds, applied as they are
-    given_sequence_seeds_by_axis: dict[str, dict[str, int]] | None = None  # the same per sequence axis (ring x ulysses)
+    given_sequence_seeds: dict[str, tuple] | None = None  # a Plan's SequenceSeeds per axis, applied as they are
     bounds: dict[str, int] = field(default_factory=dict)  # data-dependent op name -> size bound (user option)
     size_bounds: dict[str, int] = field(default_factory=dict)  # symbol -> bound, from torch._check in the trace
     buckets: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # (input, dim) -> sizes (user)
     input_names: list[str] = field(default_factory=list)  # the flattened forward arguments' names
     overlap: Overlap = field(default_factory=Overlap)  # communication/computation overlap techniques (user option)
     # Filled by the passes:
-    linear_styles: dict[str, str] = field(default_factory=dict)  # module path -> colwise / rowwise / replicate
+    linear_styles: dict[str, LinearSharding] = field(default_factory=dict)  # module path -> its decision
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
     slice_specs: dict[str, dict] = field(default_factory=dict)  # tensor FQN -> {axis: placement} (localize)
     attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
     sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded
     sequence_sharded_at: list[str] = field(default_factory=list)  # values sliced to start sequence parallelism
-    sequence_attention: dict[str, str] = field(default_factory=dict)  # attention module -> sharded, or why not
+    sequence_attention: dict[str, AttentionSequencing] = field(default_factory=dict)  # attention module -> decision
     sequence_whole: dict[str, str] = field(default_factory=dict)  # attention module left whole -> the first reason
     sequence_idle: list[str] = field(default_factory=list)  # sequence axes (of size > 1) that split no value
-    sequence_seeds: dict[str, int] = field(default_factory=dict)  # value -> dim where the sequence sharding starts
-    sequence_seeds_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # per sequence axis
-    batch_split: dict[str, str] = field(default_factory=dict)  # input -> split along the batch, or why not (dp)
+    sequence_seeds: dict[str, tuple[SequenceSeed, ...]] = field(default_factory=dict)  # axis -> where it starts
+    batch_split: dict[str, BatchSplit] = field(default_factory=dict)  # input -> split along the batch, or why not
     padding_reads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node indexing a padded dim ->
     #   (flat argument index, dim, padded size) of the input it picks from (pad_inputs)
-    chunked: dict[str, str] = field(default_factory=dict)  # row-parallel linear -> its chunks and why (chunk_reductions)
+    chunked: dict[str, Chunking] = field(default_factory=dict)  # row-parallel linear -> its all_reduce's chunks
     tp_sequence: str = ""  # whether rows are sharded over tp between the tp regions, and why (plan_tp_sequence)
     reduce_scattered: dict[str, str] = field(default_factory=dict)  # row-parallel linear -> rows its sum scatters
     collective_order: list[str] = field(default_factory=list)  # collectives in issue order (schedule_collectives)

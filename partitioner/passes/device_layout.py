@@ -1,5 +1,6 @@
-"""How the ranks' device lays a value out, for the order an exchange sends its pieces in (``insert_collectives``):
-a model traced on the meta device has the layouts of meta kernels, which can differ from the device's own."""
+"""The ranks' device in the graph: how it lays a value out, for the order an exchange sends its pieces in
+(``insert_collectives``: a model traced on the meta device has the layouts of meta kernels, which can differ from
+the device's own), and ops that create tensors pointed at it (``place_graph_on``)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,14 @@ def memory_order(strides: tuple) -> list[int] | None:
         return None
     order = sorted(range(len(strides)), key=lambda dim: -strides[dim])  # (stable: ties keep their logical order)
     return None if order == list(range(len(order))) else order
+
+
+def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Point ops that create tensors (arange, zeros, ...) at ``device``: the trace baked in its own (meta, cpu)."""
+    changed = False
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+            node.update_kwarg("device", device)
+            changed = True
+    if changed:
+        gm.recompile()

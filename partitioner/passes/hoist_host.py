@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from ..decisions import Hoisted, HostKind
 from ..errors import DataDependentNumber, InvariantError
 from ..frontend.padding import follow_padding
 from ..frontend.trace import GraphInput
@@ -50,7 +51,7 @@ class HostProgram:
     prologue: GraphModule  # takes the forward's flattened arguments listed in ``inputs``, returns the transfers
     inputs: list[int]  # indices into the flattened forward arguments
     transfers: list[Transfer]
-    hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs on the host
+    hoisted: dict[str, Hoisted] = field(default_factory=dict)  # node -> why it runs on the host
     # graph outputs whose size is data-dependent, trimmed after the device graph: (output index, dim, size)
     trims: list[tuple[int, int, str]] = field(default_factory=list)
 
@@ -187,13 +188,14 @@ def _output_trims(gm: GraphModule) -> list[tuple[int, int, str]]:
             if isinstance(size, torch.SymInt) and free_unbacked_symbols(size)]
 
 
-def _reasons(gm: GraphModule, host: set[Node], sources: list[Node]) -> dict[str, str]:
+def _reasons(gm: GraphModule, host: set[Node], sources: list[Node]) -> dict[str, Hoisted]:
     """Why each hoisted node runs on the host, in graph order."""
-    hoisted = {n.name: f"{n.target}: output size depends on tensor values" for n in sources}
+    hoisted = {n.name: Hoisted(HostKind.DATA_DEPENDENT, str(n.target)) for n in sources}
     for n in (n for n in gm.graph.nodes if n in host):
         if n not in sources and isinstance(n.meta.get("val"), torch.Tensor):
             unpacks = n.target is operator.getitem and n.args[0] in sources
-            hoisted[n.name] = f"result of {n.args[0].name}" if unpacks else f"{n.target}: feeds only the host prologue"
+            hoisted[n.name] = (Hoisted(HostKind.RESULT, str(n.target), n.args[0].name) if unpacks
+                               else Hoisted(HostKind.FEEDS_HOST, str(n.target)))
     return hoisted
 
 

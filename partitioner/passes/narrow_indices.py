@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
-from ..runtime.program import InputError
+from ..errors import InputError
 
 aten = torch.ops.aten
 INT32 = torch.iinfo(torch.int32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from ..decisions import BatchSplit
 from ..errors import InvariantError, PartitionError
 from ..mesh import BATCH_AXES
 from ..placement import Shard, any_sharded
@@ -63,14 +64,14 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                    for failure in swept.failures if failure.node.op != "output"  # outputs are gathered
                    for seed in failure.seeds if seed in seeds}
         for seed, reason in dropped.items():
-            ctx.batch_split[seed.name] = f"not split: its rows meet {reason}"
+            ctx.batch_split[seed.name] = BatchSplit(False, reason)
             del seeds[seed]
         if not dropped:
             break
     if degree > 1 and not seeds:
         raise PartitionError(f"a {axis} degree of {degree} splits no input of this model along the batch: "
                              + "; ".join(f"{name}: {why}" for name, why in list(ctx.batch_split.items())[:3]))
-    ctx.batch_split.update({seed.name: "split along dim 0" for seed in seeds})
+    ctx.batch_split.update({seed.name: BatchSplit(True) for seed in seeds})
     for node in gm.graph.nodes:
         node.meta["placements"][axis] = swept.decisions[node].output
         node.meta["required"][axis] = swept.decisions[node].inputs

@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch.fx import GraphModule, Node
 
+from ..decisions import AttentionSequence, AttentionSequencing, SequenceKind, SequenceSeed
 from ..errors import InvariantError, PartitionError, PartitionWarning
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, Shard, any_sharded, packed_shard, unit_of
@@ -44,6 +45,7 @@ from ..rules.conv import GROUPS_ARGUMENT
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.propagate import sweep
 from ..rules.sequence_dims import SequenceDims, find_sequence_dims
+from . import value_keys
 from .context import PassContext
 
 R = Replicate()
@@ -206,12 +208,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-SINGLE_QUERY = "whole on every rank: a single query row (a pooling) has no rows to split"
-
-
 def attention_counts(ctx: PassContext) -> tuple[int, int]:
     """(attentions sequence-sharded over every sequence axis, attentions with query rows to split)."""
-    total = sum(SINGLE_QUERY not in how for how in ctx.sequence_attention.values())
+    total = sum(not decided.single_query for decided in ctx.sequence_attention.values())
     return total - len(ctx.sequence_whole), total
 
 
@@ -249,9 +248,9 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                               skip=model_tensors.__contains__)
     # Packed joint sequences and values gathered once their attentions are done are exchanged by this package's own
     # collectives: a plan for XLA's global program (equal tiles, XLA's collectives) shards joint sequences whole.
-    given = (ctx.given_sequence_seeds_by_axis or {}).get(axis, ctx.given_sequence_seeds)
+    given = None if ctx.given_sequence_seeds is None else ctx.given_sequence_seeds.get(axis, ())
     if ctx.mesh.size(axis) > 1:
-        seeds = (_given_seeds(gm, given) if given is not None
+        seeds = (_given_seeds(gm, given, axis) if given is not None
                  else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts)
                  or _convolved_rows(gm, model_tensors))
     refused: dict[Node, str] = {}
@@ -282,9 +281,10 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
             break
         gathered |= to_gather
     ctx.sequence_stopped.update(stopped)
-    ctx.sequence_seeds = {node.name: dim for node, dim in seeds.items()}
     if ctx.mesh.size(axis) > 1:
-        ctx.sequence_seeds_by_axis[axis] = dict(ctx.sequence_seeds)
+        keys = value_keys.keys_of(gm, seeds)  # in graph order: a plan applied records what deriving it would
+        ctx.sequence_seeds[axis] = tuple(SequenceSeed(keys[node], seeds[node]) for node in gm.graph.nodes
+                                         if node in seeds)
     _record_attentions(attentions, decisions, refused, ctx, axis, stopped)
     for node in gm.graph.nodes:
         node.meta["placements"][axis] = decisions[node].output
@@ -294,21 +294,19 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
         ctx.sequence_idle.append(axis)
 
 
-def _given_seeds(gm: GraphModule, given: dict[str, int]) -> dict[Node, int]:
-    """A plan's seeds, by value name; a name this graph does not have means the plan is for another model."""
-    nodes = {node.name: node for node in gm.graph.nodes}
-    missing = sorted(set(given) - set(nodes))
-    if missing:
-        raise PartitionError(f"the plan shards values this model's graph does not have: {missing[:5]}; plan again "
-                             "for this model and these example input shapes")
-    for name, dim in given.items():
-        value = nodes[name].meta.get("val")
+def _given_seeds(gm: GraphModule, given: tuple[SequenceSeed, ...], axis: str) -> dict[Node, int]:
+    """A plan's seeds, found by their keys (``value_keys``); a key this graph has no value for, or a dim the value
+    does not have, means the plan is for another model or other input shapes."""
+    nodes = value_keys.find(gm, [seed.key for seed in given], f"the plan's sequence seeds over {axis!r}")
+    for seed in given:
+        value = nodes[seed.key].meta.get("val")
         rank = value.dim() if isinstance(value, torch.Tensor) else None
-        if rank is None or not (isinstance(dim, int) and -rank <= dim < rank):
+        if rank is None or not -rank <= seed.dim < rank:
             shape = list(value.shape) if rank is not None else f"not a tensor ({type(value).__name__})"
-            raise PartitionError(f"the plan's sequence seed {name!r}: dim {dim!r}, which the value (shape {shape}) "
-                                 "does not have; plan again for this model and these example input shapes")
-    return {nodes[name]: dim for name, dim in given.items()}
+            raise PartitionError(f"the plan's sequence seed over {axis!r} at {seed.key}: dim {seed.dim}, which the "
+                                 f"value (shape {shape}) does not have; plan again for this model and these example "
+                                 "input shapes")
+    return {nodes[seed.key]: seed.dim for seed in given}
 
 
 def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext,
@@ -318,36 +316,32 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
     is left whole; a ulysses degree that shards no attention warns, a ring that shards none is refused."""
     if ctx.mesh.size(axis) <= 1:
         return
-    found = {}
+    found: dict[str, AttentionSequence] = {}
     for node in attentions:
         info = node.meta.get("heads")
         where = info.module if info is not None else node.name
         decision = decisions[node]
         if shape_of(node.args[0])[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
-            found[where] = SINGLE_QUERY
+            found[where] = AttentionSequence(SequenceKind.SINGLE_QUERY)
         elif decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
-            found[where] = "sequence-sharded (Ulysses all_to_all)"
+            found[where] = AttentionSequence(SequenceKind.ULYSSES)
         elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(node.args[1], R)):
-            found[where] = "sequence-sharded (ring attention: key/value blocks passed round the ring)"
+            found[where] = AttentionSequence(SequenceKind.RING)
         elif getattr(decision.output, "dim", None) == 2:  # this rank's query rows over whole keys, values
-            found[where] = "sequence-sharded (query rows; keys and values whole, no communication)"
+            found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
         elif node in refused:
-            found[where] = f"not sequence-sharded: {refused[node]}"
+            found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node])
         else:
             why = sorted(stopped[n.name] for n in ancestors([node]) if n.name in stopped)
-            found[where] = ("not sequence-sharded: its query, key and value reach it whole"
-                            + (f" (sharding stopped at {why[0]})" if why else
-                               " (no input of it has the sequence length)"))
-    several = sum(ctx.mesh.size(a) > 1 for a in ctx.mesh.axis_names if a in SEQUENCE_AXES) > 1
-    for where, how in found.items():
-        if not how.startswith("sequence-sharded") and how != SINGLE_QUERY:
-            why = how.removeprefix("not sequence-sharded: ").removeprefix(f"{where}: ")
-            ctx.sequence_whole.setdefault(where, f"{axis}: {why}")
-        if several:
-            how = "; ".join(filter(None, [ctx.sequence_attention.get(where), f"{axis}: {how}"]))
-        ctx.sequence_attention[where] = how
-    if attentions and axis in RING_AXES and not any(how.startswith("sequence-sharded") for how in found.values()):
-        reasons = sorted({how.removeprefix("not sequence-sharded: ") for how in found.values()})
+            found[where] = AttentionSequence(SequenceKind.WHOLE, "its query, key and value reach it whole" + (
+                f" (sharding stopped at {why[0]})" if why else " (no input of it has the sequence length)"))
+    for where, decided in found.items():
+        if decided.kind is SequenceKind.WHOLE:
+            ctx.sequence_whole.setdefault(where, f"{axis}: {decided.reason}")
+        earlier = ctx.sequence_attention[where].by_axis if where in ctx.sequence_attention else ()
+        ctx.sequence_attention[where] = AttentionSequencing((*earlier, (axis, decided)))
+    if attentions and axis in RING_AXES and not any(decided.sharded for decided in found.values()):
+        reasons = sorted({decided.reason or str(decided) for decided in found.values()})
         raise PartitionError(f"a ring of {ctx.mesh.size(axis)} shards no attention of this model: "
                              + "; ".join(reasons[:4]) + "; use a smaller ring degree (at most the shortest "
                              "sequence) or drop the ring axis")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
+from ..decisions import LinearSharding, Style
 from ..errors import InvariantError, PartitionError, did_you_mean
 from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
 from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
@@ -41,7 +42,6 @@ from ..rules.views import degree_above_heads
 from .context import PassContext
 
 AXIS = "tp"
-STYLES = ("colwise", "rowwise", "replicate")
 # Row-wise with a replicated input pays off when the input has this many times fewer rows than features.
 ROWWISE_INPUT_RATIO = 8
 aten = torch.ops.aten
@@ -65,12 +65,13 @@ def linear_path(linear: Node, fqns: dict[Node, str]) -> str:
     return fqns[weight].rsplit(".", 1)[0] if weight in fqns else linear.name
 
 
-def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node, str]:
+def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node, Style]:
     forced = {}
+    styles = [style.value for style in Style]
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise PartitionError(f"plan entry {pattern!r}: unknown style {style!r}{did_you_mean(style, STYLES)}; use "
-                                 f"one of {list(STYLES)}")
+        if style not in styles:
+            raise PartitionError(f"plan entry {pattern!r}: unknown style {style!r}{did_you_mean(style, styles)}; use "
+                                 f"one of {styles}")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"$")
         matched = [node for node, path in paths.items() if regex.match(path)]
         if not matched:
@@ -78,7 +79,7 @@ def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node,
                                  f"{did_you_mean(pattern, set(paths.values()))}; linear modules look like "
                                  f"{sorted(paths.values())[:3]}")
         for node in matched:
-            forced[node] = style
+            forced[node] = Style(style)
     return forced
 
 
@@ -225,17 +226,14 @@ def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decisi
             placements[node] = wanted
 
 
-def _style(linear: Node, decision: Decision, roles: LinearRoles, degree: int) -> str:
+def _decided(linear: Node, decision: Decision, roles: LinearRoles, degree: int, gathered: bool) -> LinearSharding:
     if isinstance(decision.output, Partial):
-        return "rowwise"
+        return LinearSharding(Style.ROWWISE, gathered=gathered)
     if is_sharded(decision.output) and linear in roles.colwise:
-        blocks = roles.packed.get(linear)
-        style = f"colwise packed {list(blocks)}" if blocks else "colwise"
-        widths = set(shard_widths(decision.output, shape_of(linear)[-1], degree))
-        unit = unit_of(decision.output)
-        return style + (f" uneven {min(widths)}-{max(widths)}" if len(widths) > 1 else "") + \
-            (f" in units of {unit}" if unit > 1 else "")
-    return "replicate"
+        widths = shard_widths(decision.output, shape_of(linear)[-1], degree)
+        return LinearSharding(Style.COLWISE, roles.packed.get(linear), unit_of(decision.output),
+                              (min(widths), max(widths)), gathered)
+    return LinearSharding(Style.REPLICATE, gathered=gathered)
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -247,12 +245,17 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
     paths = {linear: linear_path(linear, fqns) for linear in linears}
     forced = _match_overrides(paths, ctx.plan)
+    for linear, path in paths.items():
+        blocks = ctx.packed_overrides.get(path)
+        if blocks is not None and sum(blocks) != shape_of(linear)[-1]:
+            raise PartitionError(f"plan entry {path!r}: packed blocks {list(blocks)} do not add up to the Linear's "
+                                 f"{shape_of(linear)[-1]} output features; plan again for this model")
     roles, gathered, reasons = LinearRoles(), set(), {}
     if degree > 1:  # at degree 1 nothing is sharded: the partition is the identity
         roles = LinearRoles(
-            colwise={n for n in linears if forced.get(n, "colwise") == "colwise"},
-            rowwise={n for n, s in forced.items() if s == "rowwise"},
-            replicate={n for n, s in forced.items() if s == "replicate"},
+            colwise={n for n in linears if forced.get(n, Style.COLWISE) is Style.COLWISE},
+            rowwise={n for n, s in forced.items() if s is Style.ROWWISE},
+            replicate={n for n, s in forced.items() if s is Style.REPLICATE},
             forced=set(forced),
             packed={node: ctx.packed_overrides[path] for node, path in paths.items() if path in ctx.packed_overrides},
             units={node: ctx.unit_overrides[path] for node, path in paths.items() if path in ctx.unit_overrides})
@@ -279,15 +282,15 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta["placements"] = {AXIS: sweep.placements.get(node)}
         node.meta["required"] = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
     for linear in linears:
-        style = _style(linear, sweep.decisions[linear], roles, degree) + (" gathered" if linear in gathered else "")
-        ctx.linear_styles[paths[linear]] = style
+        decided = _decided(linear, sweep.decisions[linear], roles, degree, linear in gathered)
+        ctx.linear_styles[paths[linear]] = decided
         if linear in reasons:
             ctx.replicated_because[paths[linear]] = reasons[linear]
         path = paths[linear]
         if (degree > 1 and linear in forced and (path in ctx.unit_overrides or path in ctx.packed_overrides)
-                and not style.startswith(forced[linear])):
+                and decided.style is not forced[linear]):
             raise PartitionError(f"plan entry {path!r}: {forced[linear]} in the plan's units or blocks cannot be "
-                                 f"applied (it would be {style}: {reasons.get(linear, 'the sharding does not divide')})"
+                                 f"applied (it would be {decided}: {reasons.get(linear, 'the sharding does not divide')})"
                                  "; plan again for this model and mesh")
     return gm
 

@@ -98,9 +98,10 @@ def plan_summary(partitioned, times: dict | None = None) -> dict:
     def block(name: str) -> dict:
         return blocks.setdefault(name, {"name": name, "linears": [], "collectives": [], "collective_bytes": 0})
 
-    for path, style in partitioned.linear_styles.items():
+    for path, decided in partitioned.linear_decisions.items():
         name = block_of(path)
-        block(name)["linears"].append({"path": _within(name, path), "style": style})
+        block(name)["linears"].append({"path": _within(name, path), "style": str(decided),
+                                       "family": decided.style.value})
     for name, calls in _block_collectives(partitioned.graph_module).items():
         entry = block(name)
         entry["collectives"] = [{"kind": kind, "axis": axis, "count": count, "bytes_per_call": size}
@@ -118,12 +119,6 @@ def plan_summary(partitioned, times: dict | None = None) -> dict:
 
 
 # --- the page --------------------------------------------------------------------------------------------------
-
-def style_family(style: str) -> str:
-    """The colour a style gets: "colwise packed [..] uneven 3-4" is a colwise."""
-    family = style.split(" ", 1)[0]
-    return family if family in STYLE_FAMILIES else "other"
-
 
 _CSS = """
 body { font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -153,8 +148,8 @@ def _legend(names: list[tuple[str, str]]) -> str:
 
 def _linear_cell(block: str, linear: dict) -> str:
     full = linear["path"] if linear["path"] == block else f"{block}.{linear['path']}"
-    return (f'<td class="linear {style_family(linear["style"])}" title="{_e(full)}: {_e(linear["style"])}">'
-            f'{_e(linear["path"])}</td>')
+    family = linear["family"] if linear["family"] in STYLE_FAMILIES else "other"
+    return (f'<td class="linear {family}" title="{_e(full)}: {_e(linear["style"])}">{_e(linear["path"])}</td>')
 
 
 def _collectives_text(block: dict) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.fx import GraphModule
 
+from ..decisions import Hoisted, HostKind
 from ..mesh import SEQUENCE_AXES
 from ..passes.context import PassContext
 from ..placement import is_sharded, local_shape
@@ -32,7 +33,7 @@ class Report:
     collectives: list[CollectiveStat]
     activation_peak_bytes: int  # estimate: most bytes of intermediate values alive at once, run in graph order
     linear_styles: dict[str, str] = field(default_factory=dict)
-    hoisted: dict[str, str] = field(default_factory=dict)  # node -> why it runs in the host prologue
+    hoisted: dict[str, Hoisted] = field(default_factory=dict)  # node -> why it runs in the host prologue
     specializations: dict[str, str] = field(default_factory=dict)  # call shapes served by another trace -> why
     buckets: dict[str, str] = field(default_factory=dict)  # "input dim d" -> its buckets and the ops reading it
     # every rank's parameter elements and bytes, in rank order (uneven splits give ranks different shares)
@@ -82,7 +83,8 @@ class Report:
                             if first else ""))
         if self.hoisted:
             lines.append(f"  host prologue (CPU): {len(self.hoisted)} nodes; "
-                         + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items() if "depends" in why))
+                         + "; ".join(f"{name}: {why}" for name, why in self.hoisted.items()
+                                    if why.kind is HostKind.DATA_DEPENDENT))
         styles = Counter(self.linear_styles.values())
         lines.append("  linears: " + ", ".join(f"{n} {style}" for style, n in sorted(styles.items())))
         for padded, how in self.buckets.items():
@@ -306,8 +308,9 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
         by_dtype[str(node.meta["val"].dtype).removeprefix("torch.")] += size
         if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
             replicated += size
+    styles = {path: str(decided) for path, decided in ctx.linear_styles.items()}
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),
-                  activation_peak(gm, ctx), dict(ctx.linear_styles), dict(ctx.host.hoisted) if ctx.host else {},
+                  activation_peak(gm, ctx), styles, dict(ctx.host.hoisted) if ctx.host else {},
                   dict(ctx.specializations), _buckets(ctx), rank_parameters(gm, ctx),
                   _attentions_sharded(ctx), dict(ctx.sequence_whole))
 

@@ -17,17 +17,6 @@ from .fingerprints import call_signature, same_constant, value_digest
 from .gradients import refusing_backward, wants_gradients
 
 
-def place_graph_on(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Point ops that create tensors (arange, zeros, ...) at ``device``: the trace baked in its own (meta, cpu)."""
-    changed = False
-    for node in gm.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
-            node.update_kwarg("device", device)
-            changed = True
-    if changed:
-        gm.recompile()
-
-
 class CompiledPartition:
     """``compiled(*args, **kwargs)`` flattens the forward arguments as at trace time, checks them, agrees with the
     other ranks that every rank accepts its call, adds this rank's weight shards, runs the lowered graph and

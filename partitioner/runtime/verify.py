@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from ..errors import VerificationError
 from ..source import source_line
 from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
-from .program import place_graph_on
+from ..passes.device_layout import place_graph_on
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from ...frontend.trace import copy_graph_module
 from ...mesh import MeshSpec
-from ...runtime.program import place_graph_on
+from ...passes.device_layout import place_graph_on
 from .annotate import _annotate, _Annotator
 from .errors import CollectiveMismatch, XlaBackendError
 from .hlo import HloCollective, compare, hlo_collectives
