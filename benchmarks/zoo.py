@@ -88,7 +88,7 @@ def full_table(models: list[str], degree: int, sizes: str | None = None) -> list
     ``SEQUENCE_MESHES``, with the first reason one is left whole."""
     from partitioner.errors import DataDependentNumber, PartitionerError, TraceError
     from partitioner.frontend.trace import trace
-    from partitioner.frontend.pipeline_inputs import meta_floats
+    from partitioner.frontend.pipeline_sizes import meta_floats
     from partitioner.testing.zoo import PIPELINE_SIZES, ZOO, build, config
 
     heads = " | ".join(f"{axis}={n}" for axis, n in SEQUENCE_MESHES)

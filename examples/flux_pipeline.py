@@ -98,7 +98,7 @@ def main() -> None:
     results = launch(args.tp * args.ulysses, run_rank, args)
     if results is None:  # torchrun: rank 0 reports
         return
-    sharded = sum(why.startswith("sequence-sharded") for why in results[0]["attention"].values())
+    sharded = sum(why.sharded for why in results[0]["attention"].values())
     print(f"FluxPipeline ({args.model or 'tiny, random'}), {args.height}x{args.width}, {args.steps} steps, "
           f"TP={args.tp} x Ulysses={args.ulysses}"
           + (f"; attentions sequence-sharded: {sharded}/{len(results[0]['attention'])}" if args.ulysses > 1 else ""))

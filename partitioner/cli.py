@@ -30,7 +30,7 @@ import torch
 
 from .errors import InputError, MeshError, NotFound, PartitionerError, TraceError
 from .frontend.model_source import build_model
-from .frontend.pipeline_inputs import pipeline_example
+from .frontend.pipeline_sizes import pipeline_example
 from .frontend.trace import trace
 from .mesh import KNOWN_AXES
 from .planning import cost, planner

@@ -11,9 +11,10 @@ import enum
 from dataclasses import dataclass
 
 from .errors import InputError
+from .kinds import Kind
 
 
-class Style(enum.StrEnum):
+class Style(Kind):
     """How a Linear is split over the tensor axis (diffusers' ``_tp_plan`` names)."""
     COLWISE = "colwise"
     ROWWISE = "rowwise"
@@ -152,6 +153,11 @@ class AttentionSequence:
 class AttentionSequencing:
     """An attention's decisions, one per sequence axis that splits (in mesh order)."""
     by_axis: tuple[tuple[str, AttentionSequence], ...]
+
+    @property
+    def sharded(self) -> bool:
+        """Sequence-sharded over every sequence axis."""
+        return all(decision.sharded for _, decision in self.by_axis)
 
     @property
     def single_query(self) -> bool:

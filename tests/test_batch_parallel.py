@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from partitioner import partition
+from partitioner.decisions import BatchSplit
 from partitioner.errors import PartitionError
 from partitioner.testing import run_ranks
 from partitioner.testing.models import flux_cfg_inputs, flux_inputs, tiny_flux
@@ -37,7 +38,7 @@ def test_batch_axis_is_exact_and_exchanges_only_the_outputs(shape, names):
         assert {kind for kind, axis in counts if axis == batch} == {"all_gather"}  # nothing inside the graph
         assert counts[("all_gather", batch)] == 1  # the one output, gathered
         assert split == dict.fromkeys(["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"],
-                                      "split along dim 0")
+                                      BatchSplit(True))
         if "tp" in names:
             assert counts[("all_reduce", "tp")] > 0
 
@@ -54,7 +55,7 @@ class _MixesBatchRows(torch.nn.Module):
 def test_an_input_whose_batch_rows_are_mixed_is_not_split_and_explain_says_where():
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     partitioned = partition(_MixesBatchRows(), {"dp": 2}, ((x, y), {}))
-    assert partitioned.ctx.batch_split["x"] == "split along dim 0"
+    assert partitioned.ctx.batch_split["x"] == BatchSplit(True)
     assert "not split" in partitioned.explain("y") and "mean" in partitioned.explain("y")
 
 

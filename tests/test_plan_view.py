@@ -10,8 +10,7 @@ import torch
 
 from partitioner import partition
 from partitioner.errors import InputError
-from partitioner.planning.plan_view import (UNGROUPED, _owning_block, block_of, plan_summary, render_html,
-    write_html)
+from partitioner.planning.plan_view import UNGROUPED, _owning_block, block_of, plan_summary, render_html, write_html
 from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, tiny_flux, tiny_h3
 
 MESH = {"tp": 2, "ulysses": 2}

@@ -73,7 +73,7 @@ def _denoisers(pipe) -> dict:
                            ulysses_exchanges=sum(n for (kind, axis), n in collectives.items() if axis == "ulysses"),
                            specializations=len(stand_in.specializations), attentions=len(attention),
                            unsharded=[f"program {i}: {module}: {why}" for i, module, why in attention
-                                      if not why.startswith("sequence-sharded")])
+                                      if not why.sharded])
     return found
 
 

@@ -117,7 +117,7 @@ def test_parts_of_any_length_cross_sequence_and_grouped_heads_are_sharded_and_ex
     for rank, (error, attention, counted) in enumerate(results):
         assert error <= 1e-5, (rank, error)
         assert counted == (3, 3), attention
-        assert all(how.startswith("sequence-sharded") for how in attention.values()), attention
+        assert all(how.sharded for how in attention.values()), attention
 
 
 def _run_two(shape, names, rows):
@@ -196,7 +196,7 @@ def test_a_length_equal_to_a_model_size_changes_no_decision(case):
     and halves) shard every attention, as a length that coincides with nothing does."""
     name, rows, text, degree = case
     attention = _planned(name, rows, text, degree)
-    assert all(how.startswith("sequence-sharded") for how in attention.values()), (case, attention)
+    assert all(how.sharded for how in attention.values()), (case, attention)
 
 
 def _coinciding_case(rank, world, name, rows, text):

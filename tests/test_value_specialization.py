@@ -89,7 +89,7 @@ def _case(rank, world, mode, broken):
                   values={i: v.tolist() for i, v in partitioned.traced.values.items()},
                   reads=[str(r) for r in partitioned.traced.value_reads],
                   collectives={f"{k}:{a}": n for (k, a), n in partitioned.collective_counts().items()},
-                  sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.startswith("sequence")])
+                  sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.sharded])
     other = _inputs(pad=3, seed=1)  # another mask: the traced program refuses it, the module traces again
     with torch.no_grad():
         other_expected = model(*other)
@@ -245,7 +245,7 @@ def test_every_attention_of_a_joint_sequence_built_in_place_or_picked_by_a_run_i
     for rank, result in enumerate(pools[2].run(_every_attention_sharded, name, False)):
         assert isinstance(result["error"], float) and result["error"] <= TOLERANCE, (rank, result)
         assert result["checked"] > 0 and result["attention"], result
-        assert all(how.startswith("sequence-sharded") for how in result["attention"].values()), result
+        assert all(how.sharded for how in result["attention"].values()), result
 
 
 def test_negative_control_rows_written_at_their_global_offsets_are_wrong(pools):
@@ -311,7 +311,7 @@ def _reordered(rank, world, mode, broken):
         expected = model(x, text, mask)
         error = (partitioned.compile()(x, text, mask) - expected).abs().max().item()
     return dict(error=error, values={i: v.tolist() for i, v in partitioned.traced.values.items()},
-                sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.startswith("sequence")])
+                sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.sharded])
 
 
 @pytest.mark.parametrize("mode", ["ulysses2", "tp2xulysses2"])
@@ -389,7 +389,7 @@ def _guarded(rank, world, mode, image, broken=False):
     result = dict(error=error(_switch_inputs(image, seed=0), module), pinned=dict(partitioned.traced.values),
                   guards=[str(g.read) for g in partitioned.traced.guards.guards],
                   explained=[line for line in partitioned.explain().splitlines() if line.startswith("guard: ")],
-                  sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.startswith("sequence")])
+                  sharded=[p for p, why in partitioned.ctx.sequence_attention.items() if why.sharded])
     if broken:  # the negative control: the program run on the other branch's input, its guard dropped
         partitioned.traced.guards = None
         result["other_error"] = error(other_branch, module.program)

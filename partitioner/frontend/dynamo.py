@@ -24,6 +24,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..errors import InputError
+from ..kinds import InputKind as GraphInputKind
 from ..runtime.rank_groups import DEFAULT_TIMEOUT
 from ..runtime.fingerprints import call_signature, check_fingerprint
 from ..runtime.gradients import frontend_reason, marked_to_train, refusing_backward, wants_gradients
@@ -46,11 +47,11 @@ def _graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[GraphInput]:
         keys = _KEY.findall(source)
         fqn = ".".join(k for k in keys[1:] if k not in _CONTAINERS) if source.startswith("L[") else ""
         if isinstance(value, torch.nn.Parameter) and fqn:
-            inputs.append(GraphInput("parameter", fqn))
+            inputs.append(GraphInput(GraphInputKind.PARAMETER, fqn))
         elif "_buffers[" in source and fqn:
-            inputs.append(GraphInput("buffer", fqn))
+            inputs.append(GraphInput(GraphInputKind.BUFFER, fqn))
         else:
-            inputs.append(GraphInput("user", position))
+            inputs.append(GraphInput(GraphInputKind.USER, position))
     return inputs
 
 
@@ -123,7 +124,8 @@ def _partition(gm, example_inputs, dynamo_inputs, mesh, options, partition_trace
             inputs.append(graph_input)
             user_index += 1
         else:
-            kind = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}.get(spec.kind, "constant")
+            kind = {InputKind.PARAMETER: GraphInputKind.PARAMETER,
+                    InputKind.BUFFER: GraphInputKind.BUFFER}.get(spec.kind, GraphInputKind.CONSTANT)
             inputs.append(GraphInput(kind, spec.target))
             state.setdefault(spec.target, program.constants.get(spec.target))
     graph = program.graph_module

@@ -19,6 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._sympy.numbers import int_oo
 
 from ..errors import TraceError, our_step
+from ..kinds import InputKind as GraphInputKind
 from ..source import source_line
 from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
@@ -31,13 +32,16 @@ class GraphInput:
     """One placeholder: a model tensor (``kind`` parameter / buffer / constant, ``target`` its FQN), a user input
     (``kind`` user, ``target`` its index among the flattened forward arguments), or a value computed by the host
     prologue (``kind`` host, ``target`` its index among the prologue's outputs)."""
-    kind: str
+    kind: GraphInputKind
     target: str | int
     persistent: bool = True  # False for non-persistent buffers and constants: not in a checkpoint
 
+    def __post_init__(self):
+        object.__setattr__(self, "kind", GraphInputKind(self.kind))
+
     @property
     def is_model_tensor(self) -> bool:
-        return self.kind in ("parameter", "buffer", "constant")
+        return self.kind in (GraphInputKind.PARAMETER, GraphInputKind.BUFFER, GraphInputKind.CONSTANT)
 
 
 @dataclass
@@ -370,11 +374,12 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
                   else t for name, t in program.constants.items()})
     state.update({name: real for name, real in real_buffers.items() if name in state})  # (traced as meta)
     inputs, user_index = [], 0
-    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    kinds = {InputKind.PARAMETER: GraphInputKind.PARAMETER, InputKind.BUFFER: GraphInputKind.BUFFER,
+             InputKind.CONSTANT_TENSOR: GraphInputKind.CONSTANT}
     for spec in gs.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             # export lists every flattened leaf, constants included, in flattening order
-            inputs.append(GraphInput("user", user_index))
+            inputs.append(GraphInput(GraphInputKind.USER, user_index))
             user_index += 1
         elif spec.kind in kinds:
             persistent = spec.kind == InputKind.PARAMETER or bool(spec.persistent)

@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
+from ..kinds import HeadRole
 from ..rules import shape_of
 from .context import PassContext
 
@@ -42,7 +43,7 @@ class HeadInfo:
     module: str  # module path of the attention (from its output projection or q projection)
     heads: int
     head_dim: int
-    role: str  # "q", "k", "v", "out" or "attention"
+    role: HeadRole
 
 
 def module_path(node: Node) -> str:
@@ -130,11 +131,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         q_shape = shape_of(attention.args[0])
         heads, head_dim = q_shape[-3], q_shape[-1]
         splits = {role: _find_head_splits(value, head_dim)
-                  for role, value in zip("qkv", attention.args[:3])}
+                  for role, value in zip((HeadRole.Q, HeadRole.K, HeadRole.V), attention.args[:3])}
         merge, out_proj = _find_head_merge(attention, heads, head_dim)
         q_proj = _producer_linear(splits["q"][0].args[0]) if splits["q"] else None
         module = _attention_module(attention, q_proj, out_proj)
-        info = HeadInfo(attention.name, module, heads, head_dim, "attention")
+        info = HeadInfo(attention.name, module, heads, head_dim, HeadRole.ATTENTION)
         attention.meta["heads"] = info
         ctx.attention.append(info)
         for role, split in ((role, split) for role, found in splits.items() for split in found):
@@ -145,9 +146,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if projection is not None:
                 projection.meta["heads"] = replace(info, heads=split_heads, role=role)
         if merge is not None:
-            merge.meta["heads"] = replace(info, role="merge")
+            merge.meta["heads"] = replace(info, role=HeadRole.MERGE)
         if out_proj is not None:
-            out_proj.meta["heads"] = replace(info, role="out")
+            out_proj.meta["heads"] = replace(info, role=HeadRole.OUT)
     return gm
 
 
@@ -155,7 +156,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: head splits infer the head count."""
     for node in gm.graph.nodes:
         info = node.meta.get("heads")
-        if info is not None and info.role in ("q", "k", "v") and node.target in _RESHAPES:
+        if info is not None and info.role in (HeadRole.Q, HeadRole.K, HeadRole.V) and node.target in _RESHAPES:
             sizes = node.args[2] if node.target is aten.unflatten.int else node.args[1]
             if list(sizes)[-2:] != [-1, info.head_dim]:
                 raise InvariantError(f"{node.name}: head split {sizes} is not head_dim-based")

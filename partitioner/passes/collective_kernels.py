@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
+from ..kinds import CollectiveKind
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
@@ -130,7 +131,7 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis),
                      *((mask, columns) if mask is not None else ()))
         node.kwargs = {}
-        node.meta["collective"] = ("ring_pass", axis)
+        node.meta["collective"] = (CollectiveKind.RING_PASS, axis)
 
 
 def _attention_mask(node: Node) -> Node | None:
@@ -170,7 +171,7 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
             node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim, *ring,
                          *((mode,) if mode != "constant" else ()))
         node.kwargs = {}
-        node.meta["collective"] = ("halo_exchange", axis)
+        node.meta["collective"] = (CollectiveKind.HALO_EXCHANGE, axis)
 
 
 def _spatial_axes(node: Node) -> dict[str, object]:
@@ -201,7 +202,7 @@ def _group_norms(gm: GraphModule, ctx: PassContext) -> None:
         node.target = collectives.sharded_group_norm
         node.args = (args[0], args[1], args[2], args[3], eps, ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = ("all_reduce", axis)
+        node.meta["collective"] = (CollectiveKind.ALL_REDUCE, axis)
 
 
 def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
@@ -216,4 +217,4 @@ def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
         node.args = (node.args[0], mode, list(node.args[3]), placement.dim, reach, ctx.mesh.coordinate(axis),
                      ctx.mesh.size(axis), ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = ("halo_exchange", axis)
+        node.meta["collective"] = (CollectiveKind.HALO_EXCHANGE, axis)

@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..decisions import Hoisted, HostKind
 from ..errors import DataDependentNumber, InvariantError
+from ..kinds import InputKind
 from ..frontend.padding import follow_padding
 from ..frontend.trace import GraphInput
 from ..source import source_line
@@ -175,7 +176,7 @@ def _add_transfers(gm: GraphModule, ctx: PassContext, host: set[Node], outgoing:
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(f"host_{node.name}")
         node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in host)
-        ctx.inputs.append(GraphInput("host", index, persistent=False))
+        ctx.inputs.append(GraphInput(InputKind.HOST, index, persistent=False))
     return transfers
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
+from ..kinds import CollectiveKind
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
@@ -54,7 +55,7 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
         if key in like.meta:
             node.meta[key] = like.meta[key]
     if collective:
-        node.meta["collective"] = (collective, axis)
+        node.meta["collective"] = (CollectiveKind(collective), axis)
     return node
 
 
@@ -366,7 +367,7 @@ def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
             node.args = (source, args[2], args[3], 1e-5 if args[4] is None else args[4], normalized[0],
                          ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = ("all_reduce", axis)
+        node.meta["collective"] = (CollectiveKind.ALL_REDUCE, axis)
 
 
 def _kind(current, required) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import InputError
 from .models import TINY_COGVIDEOX, TINY_COGVIEW4, TINY_H3
-from ..frontend.pipeline_inputs import PIPELINE_SIZES as SIZES_BY_CLASS
+from ..frontend.pipeline_sizes import PIPELINE_SIZES as SIZES_BY_CLASS
 from ..frontend.pipeline_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
                          cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs,
                          hidream_inputs, hunyuan_video_inputs, hunyuan_video15_inputs, kandinsky5_inputs,
@@ -268,7 +268,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
 
 # --- the sizes pipelines pass ---------------------------------------------------------------------------------------
 
-# ``partitioner.frontend.pipeline_inputs.PIPELINE_SIZES`` by zoo name
+# ``partitioner.frontend.pipeline_sizes.PIPELINE_SIZES`` by zoo name
 PIPELINE_SIZES: dict[str, dict[str, dict]] = {name: SIZES_BY_CLASS[m.cls] for name, m in ZOO.items()
                                               if m.cls in SIZES_BY_CLASS}
 
