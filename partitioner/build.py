@@ -91,7 +91,8 @@ def compared_plan_lines(partitioned: Partitioned, header: list[str]) -> list[str
     whose devices lay a value out differently would read each other's pieces wrong, with no error); device indices
     left out (each rank has its own GPU)."""
     device = re.compile(r"device\(type='(\w+)', index=\d+\)")
-    chunks = [f"all_reduce of {path}: {how.chunks} chunks" for path, how in sorted(partitioned.ctx.chunked.items())]
+    chunks = [f"all_reduce of {path}: " + (f"{how.chunks} chunks" if how.chunks > 1 else "whole")
+              for path, how in sorted(partitioned.ctx.chunked.items())]
     orders = [f"all_to_all of {node.args[0].name}: pieces in order {node.args[6]}"
               for node in partitioned.graph_module.graph.nodes if node.target is collectives.all_to_all_start]
     return [device.sub(r"device(type='\1')", line)

@@ -52,17 +52,32 @@ class LinearSharding:
             value = cls(value)
         if not isinstance(value, LinearSharding):
             raise InputError(f"plan entry {where!r}: {type(value).__name__} is not a LinearSharding or a style name")
-        if value.unit < 1 or (value.blocks is not None and (not value.blocks or min(value.blocks) < 1)):
-            raise InputError(f"plan entry {where!r}: {value} has a unit or block of 0; units and packed blocks are "
-                             "positive numbers of columns")
-        return value
+        style = value.style
+        if not isinstance(style, Style):
+            style = cls.of(style, where).style if isinstance(style, str) else None
+        blocks, widths = _whole_numbers(value.blocks), _whole_numbers(value.widths)
+        if (style is None or blocks is False or widths is False or type(value.unit) is not int
+                or (widths is not None and len(widths) != 2) or type(value.gathered) is not bool):
+            raise InputError(f"plan entry {where!r}: {value!r} is not a Linear decision: LinearSharding(style: Style, "
+                             "blocks: None or (columns, ...), unit: columns, widths: None, gathered: False)")
+        if value.unit < 1 or (blocks is not None and (not blocks or min(blocks) < 1)):
+            raise InputError(f"plan entry {where!r}: {value!r} has a unit or block below 1; units and packed blocks "
+                             "are positive numbers of columns")
+        return cls(style, blocks, value.unit, widths, value.gathered)
 
     def as_json(self) -> dict:
         return {"style": self.style.value, "blocks": list(self.blocks) if self.blocks else None, "unit": self.unit,
                 "widths": list(self.widths) if self.widths else None, "gathered": self.gathered}
 
+    def applied(self) -> dict:
+        """What applying this decision takes (``widths`` and ``gathered`` are derived again): what is hashed."""
+        return {"style": self.style.value, "blocks": list(self.blocks) if self.blocks else None, "unit": self.unit}
+
     @classmethod
     def from_json(cls, data, where: str) -> "LinearSharding":
+        if isinstance(data, str):  # a style name, as an edit may write it
+            return cls.of(data, where)
+
         def numbers(value, count=None) -> bool:
             return value is None or (isinstance(value, list) and all(type(v) is int for v in value)
                                      and (count is None or len(value) == count))
@@ -79,6 +94,19 @@ class LinearSharding:
         widths = tuple(data["widths"]) if data.get("widths") else None
         return cls.of(cls(Style(data["style"]), blocks, data.get("unit", 1), widths, data.get("gathered", False)),
                       where)
+
+
+def _whole_numbers(values) -> tuple[int, ...] | None | bool:
+    """``values`` as a tuple of ints; None for None; False where it is not a sequence of ints."""
+    if values is None:
+        return None
+    if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        return tuple(values)
+    return False
+
+
+# the deepest a value key looks at its producers (``passes/value_keys.py``)
+MAX_KEY_DEPTH = 12
 
 
 @dataclass(frozen=True)
@@ -123,6 +151,9 @@ class SequenceSeed:
         if not (isinstance(data, dict) and set(data) == set(fields)
                 and all(isinstance(data[k], kind) and not isinstance(data[k], bool) for k, kind in fields.items())):
             raise InputError(f"{where}: {data!r} is not a sequence seed: an object with {sorted(fields)}")
+        if not (0 <= data["twin"] < data["alike"] and 0 <= data["depth"] <= MAX_KEY_DEPTH):
+            raise InputError(f"{where}: twin {data['twin']} of {data['alike']} alike at depth {data['depth']}: a "
+                             f"seed is one of the values alike (0 <= twin < alike) at a depth of 0 to {MAX_KEY_DEPTH}")
         return cls(ValueKey(*(data[k] for k in fields if k != "dim")), data["dim"])
 
 

@@ -53,6 +53,11 @@ class Plan:
         return {"version": self.version, "mesh": self.mesh, "bounds": self.bounds, "sequence_seeds": seeds,
                 "linears": {path: decided.as_json() for path, decided in self.linear_decisions().items()}}
 
+    def _applied(self) -> dict:
+        decisions = self._decisions()
+        decisions["linears"] = {path: decided.applied() for path, decided in self.linear_decisions().items()}
+        return decisions
+
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps({**self._decisions(), "attention": self.attention}, indent=1, sort_keys=True)
         if path is not None:
@@ -61,19 +66,21 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """A digest of the decisions applied (not of ``attention``'s text, which a rewording changes)."""
-        return hashlib.sha256(json.dumps(self._decisions(), sort_keys=True).encode()).hexdigest()[:16]
+        """A digest of the decisions applied (not of ``attention``'s text, which a rewording changes, nor of what is
+        derived again: a Linear's ``widths`` and ``gathered``)."""
+        return hashlib.sha256(json.dumps(self._applied(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":
         """A plan from JSON text or a file holding it. ``InputError`` naming the file (or text) and the field for a
         missing, unreadable, truncated or malformed plan."""
         where, data = _read(source)
-        if data.get("version") == 1:
+        version = data.get("version")
+        if version == 1 and type(version) is int:
             raise InputError(f"{where}: plan version 1 found its sequence seeds by fx node names, which change "
                              "with any retrace; make the plan again with partitioner.plan(...) and save it (version "
                              f"{VERSION} keys values by module, op and structure)")
-        if data.get("version") != VERSION:
+        if version != VERSION or type(version) is not int:
             raise InputError(f"{where}: plan version {data.get('version')!r}: this partitioner reads version {VERSION}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
@@ -86,7 +93,10 @@ class Plan:
                 continue
             if name in data and (not isinstance(value, kind) or not _entries_are(value, values)):
                 raise InputError(f"{where}: field {name!r} must be {_KINDS[name]}, got {_short(value)}")
-        linears = {path: LinearSharding.from_json(entry, path) for path, entry in data.get("linears", {}).items()}
+        try:
+            linears = {path: LinearSharding.from_json(entry, path) for path, entry in data.get("linears", {}).items()}
+        except InputError as error:
+            raise InputError(f"{where}: {error}") from None
         seeds = data.get("sequence_seeds", {})
         if seeds is not None:
             seeds = {axis: tuple(SequenceSeed.from_json(seed, f"{where}: sequence seed {i} over {axis!r}")
@@ -123,8 +133,8 @@ def _read(source) -> tuple[str, dict]:
     return where, data
 
 
-_FIELDS = [("mesh", dict, int), ("linears", dict, dict), ("sequence_seeds", dict, list), ("attention", dict, str),
-           ("bounds", dict, int)]
+_FIELDS = [("mesh", dict, int), ("linears", dict, (dict, str)), ("sequence_seeds", dict, list),
+           ("attention", dict, str), ("bounds", dict, int)]
 _KINDS = {"mesh": "an object of axis sizes such as {\"tp\": 2}",
           "linears": "an object of module path -> {\"style\": ..., \"blocks\": ..., \"unit\": ...}",
           "sequence_seeds": "null or an object of sequence axis -> [seed, ...]",

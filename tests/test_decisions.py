@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import warnings
 
+import pytest
 import torch
 
 import partitioner
@@ -43,3 +44,13 @@ def test_rewording_every_decision_changes_no_rank_program(monkeypatch):
     after = _programs()
     for case, program in before.items():
         assert after[case] == program, case
+
+
+def test_a_warning_names_the_attention_left_whole_once():
+    """The rule's refusal starts with the attention's module; the warning adds the axis, not the module again."""
+    from partitioner.testing import TINY_H3, h3_inputs, tiny_h3
+
+    with pytest.warns(partitioner.PartitionWarning) as caught:
+        partitioner.partition(tiny_h3(), {"ulysses": 4}, ((), h3_inputs(TINY_H3, text=3)))
+    text = " ".join(str(w.message) for w in caught)
+    assert "token_refiner.refiner_blocks.0.attn: ulysses: a sequence of 3 rows" in text, text

@@ -99,6 +99,21 @@ def test_graphs_without_writes_are_not_rewritten():
     assert torch.ops.aten.unflatten.int in targets and torch.ops.aten.slice_scatter.default not in targets
 
 
+def test_the_rank_program_copies_no_activation_the_model_did_not_copy():
+    """Functionalization turns each eval-mode dropout into a clone (Wan: 6 of its 8 clones; a Flux graph without
+    writes keeps its 6 dropouts as ops): a copy of an activation per call that no rank needs. What stays is what
+    the model asks for: a clone that makes a transposed value contiguous (Wan's rotary), which the partition
+    keeps exactly."""
+    from partitioner.testing.zoo import build, inputs
+
+    for name in ("wan", "flux"):
+        partitioned = partition(build(name), {"ulysses": 2}, inputs(name), rank=0)
+        nodes = list(partitioned.graph_module.graph.nodes)
+        assert not [n for n in nodes if n.target is torch.ops.aten.dropout.default], name
+        for clone in [n for n in nodes if n.target is torch.ops.aten.clone.default]:
+            assert clone.kwargs.get("memory_format") is torch.contiguous_format, (name, clone.format_node())
+
+
 def test_an_op_that_writes_in_place_is_never_carried():
     """Rules never carry an in-place op (a pointwise tag is not enough: add_ has one)."""
     from partitioner.placement import Shard

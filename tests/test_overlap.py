@@ -149,6 +149,8 @@ def test_ranks_agree_on_the_chunks(slow_links):
     lines = compared_plan_lines(_graph(True, slow_links), [])
     assert any(line.startswith("all_reduce of transformer_blocks.0.ff.net.2: ") and "chunks" in line for line in lines)
     assert not any(line.startswith("all_reduce of") for line in compared_plan_lines(_graph(False), []))
+    chunked = [line.split(": ", 1)[1] for line in lines if line.startswith("all_reduce of")]
+    assert all(how == "whole" or how.endswith(" chunks") and how != "1 chunks" for how in chunked), chunked
 
 
 def test_bad_overlap_option_is_named():

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import partitioner
 from partitioner import InputError, MeshError, PartitionError, Plan
@@ -83,7 +84,7 @@ def test_a_plan_for_another_mesh_or_model_is_refused(h3):
     first, *rest = plan.sequence_seeds["ulysses"]
     moved = dataclasses.replace(first, key=dataclasses.replace(first.key, module="no.such.module"))
     plan.sequence_seeds["ulysses"] = (moved, *rest)
-    with pytest.raises(PartitionError, match=r"sequence seeds over 'ulysses' names values this trace does not have: "
+    with pytest.raises(PartitionError, match=r"sequence seeds over 'ulysses' name values this trace does not have: "
                                              r"[^;]* in no\.such\.module"):
         partitioner.partition(model, MESH, ((), inputs), plan=plan)
 
@@ -159,5 +160,51 @@ def test_the_fingerprint_hashes_decisions_not_their_text(h3):
                                                                  "widths": [32, 32], "gathered": False}
     edited = dataclasses.replace(plan, linears={**plan.linears, "transformer_blocks.0.attn.to_q": "replicate"})
     assert edited.fingerprint != plan.fingerprint
+    # what is derived again when applied (a Linear's widths) is not hashed: a style name edits to the same plan
+    renamed = dataclasses.replace(plan, linears={**plan.linears, "transformer_blocks.0.attn.to_q": "colwise"})
+    assert renamed.fingerprint == plan.fingerprint
     with pytest.raises(InputError, match="plan version 1 found its sequence seeds by fx node names"):
         Plan.from_json(json.dumps({**data, "version": 1}))
+
+
+def test_hand_edited_seeds_and_linears_are_refused_by_name(h3):
+    """A seed whose place is outside its values alike, or two seeds that land on one value, are refused naming the
+    plan, never an IndexError or a seed silently dropped; a Linear edit that is not a decision is an InputError."""
+    model, inputs = h3
+    data = json.loads(partitioner.plan(model, MESH, ((), inputs)).to_json())
+    seeds = data["sequence_seeds"]["ulysses"]
+    for change, message in [({"twin": 7, "alike": 3}, "0 <= twin < alike"), ({"twin": -1}, "0 <= twin < alike"),
+                            ({"depth": 10**6}, "depth of 0 to 12")]:
+        edited = {**data, "sequence_seeds": {"ulysses": [{**seeds[0], **change}, *seeds[1:]]}}
+        with pytest.raises(InputError, match=re.escape(message)):
+            Plan.from_json(json.dumps(edited))
+    edited = {**data, "sequence_seeds": {"ulysses": [*seeds, seeds[0]]}}  # one value twice
+    with pytest.raises(PartitionError, match="find one value for several of their entries"):
+        partitioner.partition(model, MESH, ((), inputs), plan=Plan.from_json(json.dumps(edited)))
+    plan = Plan.from_json(json.dumps(data))
+    for bad in (LinearSharding("diagonal"), LinearSharding(Style.COLWISE, blocks=96),
+                LinearSharding(Style.COLWISE, unit="2"), LinearSharding(Style.COLWISE, blocks=(96, -96))):
+        plan.linears["proj_in"] = bad
+        with pytest.raises(InputError, match="plan entry 'proj_in'"):
+            plan.to_json()
+
+
+def test_a_shape_specialisation_keeps_the_plans_sequence_seeds(h3):
+    """Keys name integer arguments (sizes) by kind: a plan applies to the same model at other input shapes, so a
+    specialisation traces once and derives nothing again (with sizes in the keys it re-derived every seed)."""
+    model, inputs = h3
+    partitioned = partitioner.partition(model, MESH, ((), inputs))
+    specialized = partitioned.specialize(((), h3_inputs(TINY_H3, video=16)))
+    assert specialized.ctx.replanned == ""
+    assert specialized.collective_counts() == partitioner.partition(
+        model, MESH, ((), h3_inputs(TINY_H3, video=16))).collective_counts()
+
+
+def test_keys_name_ops_by_qualified_name_never_by_address():
+    """A plain function target prints its address (``<function sym_float at 0x..>``): it would differ per process
+    and rank, and so would every key and fingerprint downstream of it."""
+    from partitioner.passes.value_keys import op_name
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.sym_float, (graph.placeholder("n"),))
+    assert op_name(node) == "torch.sym_float"

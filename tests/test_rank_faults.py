@@ -320,7 +320,7 @@ def test_plans_that_cannot_be_read_name_the_file_and_the_field(tmp_path):
     for source, message in cases.items():
         with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Plan.from_json(source)
-    with pytest.raises(InputError, match="'proj_in'.*unit or block of 0"):
+    with pytest.raises(InputError, match="'proj_in'.*unit or block below 1"):
         Plan({"tp": 2}, {"proj_in": LinearSharding(Style.COLWISE, unit=0)}).linear_decisions()
 
 

@@ -126,16 +126,40 @@ def functionalize(program, owner: str):
     return program
 
 
+def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
+    """An eval-mode dropout, or a clone of a contiguous value into the same layout in a graph without writes."""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, torch.fx.Node) or not isinstance(source.meta.get("val"), torch.Tensor):
+        return False
+    if node.target is torch.ops.aten.dropout.default:
+        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
+        return train is False
+    if node.target is torch.ops.aten.clone.default and functional and all(u.op != "output" for u in node.users):
+        layout = node.kwargs.get("memory_format", torch.preserve_format)
+        value, copied = source.meta["val"], node.meta.get("val")
+        return (layout in (torch.preserve_format, torch.contiguous_format) and value.is_contiguous()
+                and isinstance(copied, torch.Tensor) and copied.stride() == value.stride())
+    return False
+
+
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     """Remove what export leaves that describes the trace rather than the model:
     - ``_assert_tensor_metadata`` checks pin the trace-time device (meta, cpu), not the one a partition runs on;
     - ``aten.to.dtype`` to the dtype a value already has returns the value itself: the trace keeps such no-op casts
       and shares them between blocks (H3 casts its rotary tables in every block, the first block's cast is what
-      later blocks read), which would make the first block's code differ from the others'."""
+      later blocks read), which would make the first block's code differ from the others';
+    - a dropout that is off (``train=False``: eval mode) returns its input, and so does a ``clone`` of a contiguous
+      value that keeps its layout, in a graph that writes nothing in place (functionalization leaves one per
+      eval-mode dropout): a copy the model never asked for, of every activation it passes (a clone a graph returns
+      stays: the caller gets a tensor of its own)."""
+    functional = not _writes_in_place(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+        elif _is_identity(node, functional):
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
         elif (node.target is torch.ops.aten.to.dtype and len(node.args) == 2 and not node.kwargs
               and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].dtype == node.args[1]):

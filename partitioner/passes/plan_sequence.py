@@ -248,7 +248,10 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                               skip=model_tensors.__contains__)
     # Packed joint sequences and values gathered once their attentions are done are exchanged by this package's own
     # collectives: a plan for XLA's global program (equal tiles, XLA's collectives) shards joint sequences whole.
-    given = None if ctx.given_sequence_seeds is None else ctx.given_sequence_seeds.get(axis, ())
+    given = None if ctx.given_sequence_seeds is None else ctx.given_sequence_seeds.get(axis)
+    if given is None and ctx.given_sequence_seeds is not None and ctx.mesh.size(axis) > 1:
+        raise PartitionError(f"the plan has no sequence seeds for the axis {axis!r} of the mesh {ctx.mesh.sizes} "
+                             f"(it has {sorted(ctx.given_sequence_seeds)}); plan again for this mesh")
     if ctx.mesh.size(axis) > 1:
         seeds = (_given_seeds(gm, given, axis) if given is not None
                  else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts)
@@ -337,7 +340,8 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
                 f" (sharding stopped at {why[0]})" if why else " (no input of it has the sequence length)"))
     for where, decided in found.items():
         if decided.kind is SequenceKind.WHOLE:
-            ctx.sequence_whole.setdefault(where, f"{axis}: {decided.reason}")
+            # (a rule's refusal names the attention's module itself: the warning names it once)
+            ctx.sequence_whole.setdefault(where, f"{axis}: {decided.reason.removeprefix(f'{where}: ')}")
         earlier = ctx.sequence_attention[where].by_axis if where in ctx.sequence_attention else ()
         ctx.sequence_attention[where] = AttentionSequencing((*earlier, (axis, decided)))
     if attentions and axis in RING_AXES and not any(decided.sharded for decided in found.values()):
