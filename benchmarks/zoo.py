@@ -18,6 +18,7 @@ import argparse
 import time
 import warnings
 from collections import Counter
+from partitioner.annotations import annotation
 
 
 def tiny_table(models: list[str]) -> list[str]:
@@ -144,7 +145,7 @@ def _replicated(model, planned, params: int) -> str:
     ctx, gm = planned[0], planned[1]
     replicated = Counter()
     for node, graph_input in ctx.placeholder_inputs(gm).items():
-        if graph_input.kind == "parameter" and not any(map(is_sharded, node.meta["placements"].values())):
+        if graph_input.kind == "parameter" and not any(map(is_sharded, annotation(node).placements.values())):
             replicated[_pattern(graph_input.target.rsplit(".", 1)[0])] += node.meta["val"].numel()
     share = sum(replicated.values()) / params
     largest = ", ".join(f"{p} {n / params:.1%}" for p, n in replicated.most_common(1))

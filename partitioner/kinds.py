@@ -32,7 +32,7 @@ class HeadRole(Kind):
 
 
 class CollectiveKind(Kind):
-    """What a communicating node does (``meta["collective"] = (kind, axis)``; ``insert_collectives``,
+    """What a communicating node does (``annotation.collective = (kind, axis)``; ``insert_collectives``,
     ``collective_kernels``)."""
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"

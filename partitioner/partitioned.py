@@ -23,6 +23,7 @@ from .runtime.fingerprints import check_fingerprint
 from .passes.device_layout import place_graph_on
 from .runtime.program import autocast_dtype, input_names
 from .runtime.weights import shard_state
+from .annotations import annotation
 
 
 class Partitioned:
@@ -129,7 +130,7 @@ class Partitioned:
             if not graph_input.is_model_tensor:
                 continue
             if graph_input.persistent:
-                expected[graph_input.target] = (node.meta["global_shape"], node.meta["val"].dtype)
+                expected[graph_input.target] = (annotation(node).global_shape, node.meta["val"].dtype)
             else:
                 computed.append(graph_input.target)
         on_meta = [name for name in computed if self.state[name].is_meta]

@@ -18,7 +18,8 @@ A value's placement says how the per-rank tensor relates to the global one along
 Shards need not be even: ``n`` ranks split ``k`` units as ``shard_sizes`` says, the first ``k % n`` ranks one unit
 larger (56 heads over 16 ranks: 8 ranks with 4 heads, 8 with 3).
 
-Placements are stored per mesh axis name in ``node.meta["placements"]`` (a ``dict[str, Placement]``).
+Placements are stored per mesh axis name in a node's annotation (``annotations.annotation(node).placements``, a
+``dict[str, Placement]``).
 """
 
 from __future__ import annotations

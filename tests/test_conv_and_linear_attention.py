@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from partitioner.testing import ConvLinearAttentionBlock, RankPool
+from partitioner.annotations import annotation
 
 TOLERANCE = 1e-5
 MODES = {"tp2": ((2,), ("tp",)), "ulysses2": ((2,), ("ulysses",)), "tp2xulysses2": ((2, 2), ("tp", "ulysses"))}
@@ -53,7 +54,7 @@ def _case(rank, world, mode, height, broken):
         partitioned = partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((x, text), {}))
     if broken == "all_reduce":  # the attention's state left a per-rank partial sum
         graph = partitioned.graph_module.graph
-        for reduce in [n for n in graph.nodes if n.meta.get("collective") == ("all_reduce", "ulysses")]:
+        for reduce in [n for n in graph.nodes if annotation(n).collective == ("all_reduce", "ulysses")]:
             wait = next(iter(reduce.users))
             wait.replace_all_uses_with(reduce.args[0])
             graph.erase_node(wait)

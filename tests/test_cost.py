@@ -14,6 +14,7 @@ from partitioner.planning import cost, planner
 from partitioner.runtime.collectives import ring_attention
 from partitioner.mesh import as_mesh_spec
 from partitioner.frontend.trace import trace
+from partitioner.annotations import annotation
 
 # round numbers, so every expected time below is worked out by hand
 CHIP4 = cost.DeviceProfile("test", matmul_tflops=100.0, memory_gbps=1000.0, memory_bytes=2**30, ranks_per_chip=4,
@@ -109,7 +110,7 @@ def test_ring_pass_hides_behind_the_block_attention():
         q, k, v = (_placeholder(graph, name, 1, 8, 4096, 64) for name in "qkv")
         out = graph.call_function(ring_attention, (q, k, v, None, [4096, 4096], 0, "plan:ring"))
         out.meta["val"] = torch.empty(1, 8, 4096, 64, device="meta")
-        out.meta["collective"] = ("ring_pass", "ring")
+        annotation(out).collective = ("ring_pass", "ring")
         graph.output(out)
     step = cost.step_time(_graph(build), mesh, CHIP4)
     block = 4 * 8 * 4096 * 4096 * 64 / 100e12

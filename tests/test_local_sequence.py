@@ -21,6 +21,7 @@ from partitioner.passes import gather_scatters
 from partitioner.testing import (TINY_H3, fake_mesh, h3_inputs, peak_allocated_bytes, run_ranks, tiny_h3,
                                  traced_peak_bytes)
 from partitioner.frontend.trace import trace
+from partitioner.annotations import annotation
 
 aten = torch.ops.aten
 HIDDEN, HEADS = 16, 2
@@ -121,7 +122,7 @@ def test_scatter_to_gather_edge_cases(case):
     expected = {"empty": [False], "one row": [False], "two users": [False],
                 "through a view": [False, True]}.get(case, [True])
     assert picked_first == expected
-    assert not any(n.target is aten.index_copy.default and not n.meta.get("row_owners") for n in gm.graph.nodes)
+    assert not any(n.target is aten.index_copy.default and not annotation(n).row_owners for n in gm.graph.nodes)
 
 
 def _whole_packed_values(partitioned, packed_rows: int, hidden: int) -> list[str]:

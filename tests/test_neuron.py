@@ -18,6 +18,7 @@ from partitioner.backends.neuron import NeuronLegalityError
 from partitioner.passes import narrow_indices
 from partitioner.runtime.program import InputError
 from partitioner.testing import TINY_H3, full_h3_on_meta, h3_inputs, run_ranks, tiny_h3
+from partitioner.annotations import annotation
 
 
 def full_h3(rows: int, text: int = 512):
@@ -247,7 +248,7 @@ def test_narrowed_tiny_h3_is_exact(one_rank):
     actual = partitioned.compile(backend="neuron")(**inputs, return_dict=False)
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
     legal = neuron.legalize(partitioned.graph_module)
-    assert [n.name for n in legal.graph.nodes if "narrowed_from" in n.meta] == \
+    assert [n.name for n in legal.graph.nodes if annotation(n).narrowed_from is not None] == \
         ["video_indices", "audio_indices", "text_indices"]
     bad = dict(inputs, audio_indices=inputs["audio_indices"] + 2**32)
     with pytest.raises(InputError, match=r"index out of range: 4294967\d+ .* from audio_indices indexes index_copy"):

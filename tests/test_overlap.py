@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from partitioner.testing import TINY_H3, drop_all_reduce, h3_inputs, run_ranks, tiny_h3
+from partitioner.annotations import annotation
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 ROWS = dict(text=16, video=224, audio=16)  # 256 packed rows: two chunks of 64 rows even on a Ulysses shard
@@ -214,7 +215,7 @@ def test_an_issued_collective_waits_after_independent_compute(kind):
                        lambda issued: graph.call_function(functional.wait_tensor.default, (issued,))),
     }[kind]
     issued = issue()
-    issued.meta["collective"] = (kind, "tp")
+    annotation(issued).collective = (kind, "tp")
     done = wait(issued)
     independent = graph.call_function(aten.mm.default, (w, w))
     joined = graph.call_function(aten.add.Tensor, (done, independent))

@@ -17,6 +17,7 @@ from partitioner.passes import annotate_heads, plan_sharding
 from partitioner.placement import PackedShard, Partial, Replicate, Shard, is_sharded, shard_slices, slice_local
 from partitioner.rules import PartitionError, view_groups as _view_groups
 from partitioner.frontend.trace import trace
+from partitioner.annotations import annotation
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -154,11 +155,12 @@ def test_annotate_heads_unflatten_becomes_head_dim_based():
     _, gm, ctx = annotated(Block(), x_in())
     splits = nodes(gm, aten.unflatten.int)
     assert len(splits) == 3 and all(list(n.args[2]) == [-1, D // HEADS] for n in splits)
-    assert {n.meta["heads"].role for n in splits} == {"q", "k", "v"}
+    assert {annotation(n).heads.role for n in splits} == {"q", "k", "v"}
     (sdpa,) = nodes(gm, aten.scaled_dot_product_attention.default)
-    info = sdpa.meta["heads"]
+    info = annotation(sdpa).heads
     assert (info.heads, info.head_dim, info.role, info.module) == (HEADS, D // HEADS, "attention", "attn")
-    roles = {n.args[1].name: n.meta["heads"] for n in nodes(gm, aten.linear.default) if "heads" in n.meta}
+    roles = {n.args[1].name: annotation(n).heads for n in nodes(gm, aten.linear.default)
+             if annotation(n).heads is not None}
     assert {name: h.role for name, h in roles.items()} == {
         "p_attn_to_q_weight": "q", "p_attn_to_k_weight": "k", "p_attn_to_v_weight": "v", "p_attn_to_out_weight": "out"}
     assert all((h.heads, h.head_dim, h.attention) == (HEADS, D // HEADS, sdpa.name) for h in roles.values())
@@ -168,12 +170,12 @@ def test_annotate_heads_unflatten_becomes_head_dim_based():
 def test_annotate_heads_old_view_infers_head_count():
     """view(B, -1, heads, head_dim) is rewritten to infer the head count (-1) and keep head_dim."""
     _, gm, _ = annotated(Block(old_style=True), x_in())
-    splits = [n for n in nodes(gm, aten.view.default) if "heads" in n.meta]
+    splits = [n for n in nodes(gm, aten.view.default) if annotation(n).heads is not None]
     assert len(splits) == 3
     for split in splits:
         sizes = list(split.args[1])
         assert sizes[-2:] == [-1, D // HEADS] and sizes.count(-1) == 1, sizes
-        assert split.meta["heads"].heads == HEADS
+        assert annotation(split).heads.heads == HEADS
 
 
 @pytest.mark.parametrize("old_style", [False, True])
@@ -219,10 +221,10 @@ def test_plan_sharding_placements_per_node():
     gm = plan_sharding.run(gm, ctx)
     up, down = nodes(gm, aten.linear.default)
     (gelu,) = nodes(gm, aten.gelu.default)
-    assert up.meta["placements"] == {"tp": Shard(2)} and gelu.meta["placements"] == {"tp": Shard(2)}
-    assert down.meta["placements"] == {"tp": Partial()}
-    assert down.meta["required"]["tp"][gelu] == Shard(2)
-    assert all("tp" in n.meta["placements"] for n in gm.graph.nodes)
+    assert annotation(up).placements == {"tp": Shard(2)} and annotation(gelu).placements == {"tp": Shard(2)}
+    assert annotation(down).placements == {"tp": Partial()}
+    assert annotation(down).required["tp"][gelu] == Shard(2)
+    assert all("tp" in annotation(n).placements for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -320,7 +322,7 @@ def test_forced_colwise_is_gathered_before_norm():
     up = next(n for n in nodes(gm, aten.linear.default) if n.args[1].name == "p_up_weight")
     (norm,) = nodes(gm, aten.layer_norm.default)
     assert any(up in ancestors(g) and g in ancestors(norm) for g in nodes(gm, collectives.all_gather_start))
-    assert norm.args[0].meta["placements"]["tp"] == Replicate()
+    assert annotation(norm.args[0]).placements["tp"] == Replicate()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -329,7 +331,7 @@ def test_replicated_input_consumed_as_shard_is_sliced_locally(rank):
     gm = part(AdaTable(normed=True), t_in(), rank=rank).graph_module
     (piece,) = nodes(gm, aten.slice.Tensor)
     assert piece.args[0].name == "t" and tuple(piece.args[1:]) == (1, 128 * rank, 128 * (rank + 1))
-    assert "collective" not in piece.meta and not nodes(gm, collectives.all_gather_start)
+    assert annotation(piece).collective is None and not nodes(gm, collectives.all_gather_start)
     assert len(nodes(gm, c10d.all_reduce.default)) == 1
 
 
@@ -350,13 +352,13 @@ def test_degree_one_is_the_identity():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_localize_parameter_shapes_and_slice_specs(rank):
-    """Parameters have per-rank shapes in meta["val"], global ones in meta["global_shape"], and a slice spec."""
+    """Parameters have per-rank shapes in meta["val"], global ones in their annotation's global_shape, and a slice spec."""
     p = part(Block(), rank=rank)
     fqns = {node: gi.target for node, gi in p.ctx.placeholder_inputs(p.graph_module).items() if gi.kind != "user"}
     model_shapes = {name: tuple(t.shape) for name, t in Block().state_dict().items()}
     for node, fqn in fqns.items():
-        placement = node.meta["placements"]["tp"]
-        assert node.meta["global_shape"] == model_shapes[fqn]
+        placement = annotation(node).placements["tp"]
+        assert annotation(node).global_shape == model_shapes[fqn]
         local = list(model_shapes[fqn])
         if is_sharded(placement):
             assert p.slice_specs[fqn] == {"tp": placement}
@@ -371,12 +373,12 @@ def test_localize_explicit_view_sizes_are_local():
     """Views naming sizes inside a sharded region name this rank's sizes (half the heads, same head_dim)."""
     gm = part(Block(old_style=True)).graph_module
     sized = [n for n in gm.graph.nodes if n.target in (aten.view.default, aten.reshape.default)
-             and is_sharded(n.meta["placements"]["tp"])]
-    splits = [n for n in sized if n.meta["global_shape"] == (2, 6, HEADS, D // HEADS)]
+             and is_sharded(annotation(n).placements["tp"])]
+    splits = [n for n in sized if annotation(n).global_shape == (2, 6, HEADS, D // HEADS)]
     assert len(splits) == 3
     for node in sized:
         local = tuple(node.meta["val"].shape)
-        assert math.prod(local) * 2 == math.prod(node.meta["global_shape"])
+        assert math.prod(local) * 2 == math.prod(annotation(node).global_shape)
         assert [s for s in node.args[1] if s != -1] == [s for s, a in zip(local, node.args[1]) if a != -1]
     assert all(tuple(n.meta["val"].shape) == (2, 6, HEADS // 2, D // HEADS) for n in splits)
 

@@ -15,6 +15,7 @@ import torch
 from partitioner import (CollectiveTimeout, InputError, PartitionError, PartitionUnusable, RankDisagreement,
                          partition)
 from partitioner.testing import TINY_H3, attempt, h3_inputs, run_ranks, tiny_h3
+from partitioner.annotations import annotation
 
 TIMEOUT = 6.0  # seconds, every collective of these partitions
 TOLERANCE = 1e-5  # float32, sharding reorders sums only (see test_tp_numerics)
@@ -122,7 +123,7 @@ def _peer_fails_mid_call(rank, world):
     compiled = partitioned.compile()
     if rank == 1:
         graph = partitioned.graph_module.graph
-        reduce = [n for n in graph.nodes if n.meta.get("collective") == ("all_reduce", "tp")][3]
+        reduce = [n for n in graph.nodes if annotation(n).collective == ("all_reduce", "tp")][3]
         with graph.inserting_before(reduce):
             graph.call_function(_injected_failure, ())
         partitioned.graph_module.recompile()

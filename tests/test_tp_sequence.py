@@ -17,6 +17,7 @@ import torch
 
 from partitioner.runtime import collectives
 from partitioner.testing import TINY_H3, fake_mesh, h3_inputs, run_ranks, tiny_h3
+from partitioner.annotations import annotation
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 ROWS = dict(text=16, video=224, audio=16)
@@ -55,8 +56,8 @@ def _unsummed(x, dim, sizes, group_name):
 def _kinds(partitioned) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for node in partitioned.graph_module.graph.nodes:
-        if "collective" in node.meta:
-            kinds[node.meta["collective"][0]] = kinds.get(node.meta["collective"][0], 0) + 1
+        if annotation(node).collective is not None:
+            kinds[annotation(node).collective[0]] = kinds.get(annotation(node).collective[0], 0) + 1
     return kinds
 
 
@@ -121,7 +122,7 @@ def test_norms_and_residuals_run_on_this_ranks_rows(free_links):
     planned = partitioned.planned_graph.graph.nodes
     norms = [n for n in planned if n.target is torch.ops.aten.rms_norm.default
              and list(n.meta["nn_module_stack"].values())[-1][0] in BLOCK_NORMS]
-    assert len(norms) == 2 and all(n.meta["placements"]["tp"] == Shard(1) for n in norms)
+    assert len(norms) == 2 and all(annotation(n).placements["tp"] == Shard(1) for n in norms)
     nodes = list(partitioned.graph_module.graph.nodes)
     gathers = [n for n in nodes if n.target is collectives.all_gather_wait]
     q = next(n for n in nodes if n.target is torch.ops.aten.linear.default
@@ -157,7 +158,7 @@ def test_with_ulysses_tp_rows_nest_inside_its_shards(free_links):
     partitioned = _partition({"profile": free_links}, ("tp", "ulysses"), (2, 2))
     planned = [n for n in partitioned.planned_graph.graph.nodes if n.target is torch.ops.aten.rms_norm.default
                and list(n.meta["nn_module_stack"].values())[-1][0] in BLOCK_NORMS]
-    assert len(planned) == 2 and all(n.meta["placements"]["tp"] == InnerShard(1) for n in planned)
+    assert len(planned) == 2 and all(annotation(n).placements["tp"] == InnerShard(1) for n in planned)
     local = [n for n in partitioned.graph_module.graph.nodes if n.target is torch.ops.aten.rms_norm.default
              and list(n.meta["nn_module_stack"].values())[-1][0] in BLOCK_NORMS]
     assert len(local) == 2 and all(n.meta["val"].shape[1] == 64 for n in local)

@@ -26,7 +26,7 @@ def _verify_h3(rank, world, names):
 @pytest.mark.parametrize("names", [("tp",), ("ulysses",)])
 def test_a_correct_partition_verifies_value_by_value(names):
     for checked, max_error, output_error in run_ranks(2, _verify_h3, names):
-        assert checked > 300  # every value of tiny H3's program, not just the outputs
+        assert checked > 280  # every value of tiny H3's program (295 values), not just the outputs
         assert max_error <= 1e-5 and output_error <= 1e-5
 
 

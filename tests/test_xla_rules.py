@@ -15,6 +15,7 @@ from partitioner.errors import MeshError
 from partitioner.mesh import as_mesh_spec
 from partitioner.placement import PackedShard, Partial, Replicate, Shard
 from partitioner.testing import TINY_H3, fake_mesh, h3_inputs, tiny_h3
+from partitioner.annotations import annotation
 
 MESH = as_mesh_spec({"tp": 2, "ulysses": 2})
 AXES = MESH.axis_names
@@ -120,9 +121,9 @@ def test_planned_graph_is_the_global_plan_and_independent_of_the_rank_graph():
     nodes = set(planned.graph.nodes)
     assert not nodes & set(partitioned.graph_module.graph.nodes)
     for node in planned.graph.nodes:
-        assert "collective" not in node.meta
-        assert set(node.meta["placements"]) == {"tp", "ulysses"}
-        for requirements in node.meta.get("required", {}).values():
+        assert annotation(node).collective is None
+        assert set(annotation(node).placements) == {"tp", "ulysses"}
+        for requirements in (annotation(node).required or {}).values():
             assert set(requirements) <= nodes
     weight = next(n for n in planned.graph.nodes if n.name == "p_transformer_blocks_0_ff_net_0_proj_weight")
     assert tuple(weight.meta["val"].shape) == (2 * TINY_H3["ffn_dim"], TINY_H3["hidden_size"])  # global shape

@@ -40,6 +40,7 @@ from ..passes import narrow_indices, pad_attention
 from ..passes.annotate_heads import module_path
 from ..runtime import collectives
 from .base import Backend, register
+from ..annotations import annotation
 
 _COLLECTIVES = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -193,7 +194,7 @@ def _attention_findings(node, text_rows: int | None) -> list[Finding]:
             f"{_size(SBUF_BYTES)} SBUF and are tiled through HBM: "
             + (f"at {_size(STALL_BYTES)} or more per head the compile was recorded never to finish" if refuse else
                "slower than the flash kernel, with a compile time that grows with them"))
-    where = node.meta["heads"].module if "heads" in node.meta else _module_of(node)
+    where = annotation(node).heads.module if annotation(node).heads is not None else _module_of(node)
     return [Finding(refuse, f"{blocker} keeps the NKI flash kernel from this attention; {cost}", where)
             for blocker in blockers]
 

@@ -25,6 +25,7 @@ from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real
 from .output_types import register_output_types
 from .value_guards import Guards, ValueRead
 from .value_specialization import ValueShadow, forward_replaced, model_line, shadowing_forward, shadowable
+from ..annotations import annotation, copied_meta
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def slice_constant_runs(gm: torch.fx.GraphModule, inputs: list[GraphInput], stat
             continue
         with gm.graph.inserting_before(node):
             sliced = gm.graph.call_function(aten.slice.Tensor, (node.args[0], where[0], *bounds))
-        sliced.meta = dict(node.meta)
+        sliced.meta = copied_meta(node)
         node.replace_all_uses_with(sliced)
         gm.graph.erase_node(node)
         _erase_unread(gm, where[1])
@@ -432,16 +433,16 @@ def _model_frame(error: BaseException, model: torch.nn.Module) -> str:
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose graph and node meta can be rewritten without touching ``gm``'s: meta that is keyed by
-    nodes (a pass's ``meta["required"]``) is re-keyed to the copy's nodes; values (placements, fake tensors) are
+    nodes (an annotation's ``required``) is re-keyed to the copy's nodes; values (placements, fake tensors) are
     shared, as passes replace them rather than mutate them."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     mapping = dict(zip(gm.graph.nodes, graph.nodes))  # graph_copy keeps the order, output last
     for old, new in mapping.items():
-        new.meta = dict(old.meta)
-        if "required" in old.meta:
-            new.meta["required"] = {axis: {mapping[node]: placement for node, placement in requirements.items()}
-                                    for axis, requirements in old.meta["required"].items()}
+        new.meta = copied_meta(old)  # (its annotation a copy: the two graphs' are rewritten apart)
+        if annotation(old).required is not None:
+            annotation(new).required = {axis: {mapping[node]: placement for node, placement in requirements.items()}
+                                        for axis, requirements in annotation(old).required.items()}
     return lazy_code(gm, graph)
 
 

@@ -3,7 +3,7 @@
 Each pass is a plain function ``run(gm, ctx) -> gm`` over a ``torch.fx.GraphModule`` and the shared
 ``PassContext``, declared here with what it requires (passes that must have run before it), what it guarantees, and
 the check of that guarantee. ``run_passes`` does the rest for every pass alike: order, lint and recompile, the
-postcondition check, which pass placed each value (``meta["placed_by"]``), timing, logging and dumps.
+postcondition check, which pass placed each value (``annotation.placed_by``), timing, logging and dumps.
 
 ``PLAN`` leaves the global graph with a placement on every value and a requirement on every input: that is the
 whole decision, and what the XLA backend hands to XLA's SPMD partitioner. ``TO_RANK`` turns it into one rank's
@@ -43,7 +43,7 @@ PLAN = (
     Pass("pointwise_convs", pointwise_convs.run, pointwise_convs.check, (),
          "every 1x1 convolution (stride 1, no padding, one group) is a linear over the channel dim"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
-         "attentions and their projections carry meta['heads']; head splits infer the head count from head_dim"),
+         "attentions and their projections carry their heads; head splits infer the head count from head_dim"),
     Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("pointwise_convs", "annotate_heads"),
          "every value has a 'tp' placement and every input a 'tp' requirement"),
     Pass("plan_sequence", plan_sequence.run, plan_sequence.check, ("plan_sharding",),

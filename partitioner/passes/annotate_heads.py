@@ -3,7 +3,7 @@
 Requires: an exported aten graph with ``meta["val"]`` on every tensor node (global shapes).
 Guarantees:
 - every ``aten.scaled_dot_product_attention`` node, the reshapes that split its q/k/v into heads and merge its
-  output back, and the linears that project q/k/v and the output, carry ``meta["heads"]`` (a ``HeadInfo``);
+  output back, and the linears that project q/k/v and the output, carry ``annotation.heads`` (a ``HeadInfo``);
 - every head-splitting reshape names ``head_dim`` and leaves the head count to be inferred (``-1``), so a rank that
   holds ``heads / tp`` heads reshapes into the right head_dim. (diffusers reshapes by the configured head count,
   ``unflatten(-1, (attn.heads, -1))``, which on a column shard silently yields ``head_dim / tp`` channels.)
@@ -22,6 +22,7 @@ from ..errors import InvariantError
 from ..kinds import HeadRole
 from ..rules import shape_of
 from .context import PassContext
+from ..annotations import annotation
 
 aten = torch.ops.aten
 
@@ -136,26 +137,26 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         q_proj = _producer_linear(splits["q"][0].args[0]) if splits["q"] else None
         module = _attention_module(attention, q_proj, out_proj)
         info = HeadInfo(attention.name, module, heads, head_dim, HeadRole.ATTENTION)
-        attention.meta["heads"] = info
+        annotation(attention).heads = info
         ctx.attention.append(info)
         for role, split in ((role, split) for role, found in splits.items() for split in found):
             split_heads = shape_of(split)[-2]
-            split.meta["heads"] = replace(info, heads=split_heads, role=role)
+            annotation(split).heads = replace(info, heads=split_heads, role=role)
             _head_dim_based(split, split_heads, head_dim)
             projection = _producer_linear(split.args[0])
             if projection is not None:
-                projection.meta["heads"] = replace(info, heads=split_heads, role=role)
+                annotation(projection).heads = replace(info, heads=split_heads, role=role)
         if merge is not None:
-            merge.meta["heads"] = replace(info, role=HeadRole.MERGE)
+            annotation(merge).heads = replace(info, role=HeadRole.MERGE)
         if out_proj is not None:
-            out_proj.meta["heads"] = replace(info, role=HeadRole.OUT)
+            annotation(out_proj).heads = replace(info, role=HeadRole.OUT)
     return gm
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: head splits infer the head count."""
     for node in gm.graph.nodes:
-        info = node.meta.get("heads")
+        info = annotation(node).heads
         if info is not None and info.role in (HeadRole.Q, HeadRole.K, HeadRole.V) and node.target in _RESHAPES:
             sizes = node.args[2] if node.target is aten.unflatten.int else node.args[1]
             if list(sizes)[-2:] != [-1, info.head_dim]:

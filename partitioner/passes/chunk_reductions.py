@@ -27,6 +27,7 @@ from ..placement import local_shape
 from ..planning.cost import collective_s, load_profile
 from .annotate_heads import module_path
 from .context import PassContext
+from ..annotations import annotation
 
 aten = torch.ops.aten
 functional = torch.ops._c10d_functional
@@ -46,7 +47,7 @@ def _row_parallel(reduce: Node) -> Node | None:
 
 
 def _rank_shape(node: Node, mesh) -> list[int]:
-    return local_shape(node.meta["global_shape"], node.meta["placements"], mesh)
+    return local_shape(annotation(node).global_shape, annotation(node).placements, mesh)
 
 
 def _chunks(linear: Node, reduce: Node, ctx: PassContext, profile) -> tuple[int, str]:
@@ -59,7 +60,7 @@ def _chunks(linear: Node, reduce: Node, ctx: PassContext, profile) -> tuple[int,
     out_bytes = m * w[0] * size
     t_m = max(2 * m * w[0] * w[1] / (profile.matmul_tflops * 1e12),
               (m * w[1] + w[0] * w[1]) * size / (profile.memory_gbps * 1e9) + out_bytes / (profile.memory_gbps * 1e9))
-    axis = reduce.meta["collective"][1]
+    axis = annotation(reduce).collective[1]
     groups = first.groups(axis)
     group = next(g for g in groups if 0 in g)
     t_c = collective_s("all_reduce", out_bytes, group, groups, profile)
@@ -79,9 +80,14 @@ def _chunks(linear: Node, reduce: Node, ctx: PassContext, profile) -> tuple[int,
     return best, why
 
 
-def _like(node: Node, like: Node, val, keys=("placements", "nn_module_stack", "collective")) -> Node:
-    node.meta.update({key: like.meta[key] for key in keys if key in like.meta})
-    node.meta["val"], node.meta["global_shape"] = val, None  # (a chunk has no global shape of its own)
+def _like(node: Node, like: Node, val, region_only: bool = False) -> Node:
+    """``node`` placed and named as ``like`` (its region only, with ``region_only``), with the value ``val``."""
+    if "nn_module_stack" in like.meta:
+        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    if not region_only:
+        annotation(node).placements = annotation(like).placements
+        annotation(node).collective = annotation(like).collective
+    node.meta["val"], annotation(node).global_shape = val, None  # (a chunk has no global shape of its own)
     return node
 
 
@@ -96,8 +102,8 @@ def _split(linear: Node, reduce: Node, wait: Node, n: int) -> None:
     for start, size in zip(starts, sizes):
         with graph.inserting_before(linear):
             piece = _like(graph.call_function(aten.slice.Tensor, (x, dim, start, start + size)), linear,
-                          x.meta["val"].narrow(dim, start, size), keys=("nn_module_stack",))  # (in the linear's region)
-            piece.meta["placements"] = x.meta["placements"]
+                          x.meta["val"].narrow(dim, start, size), region_only=True)  # (in the linear's region)
+            annotation(piece).placements = annotation(x).placements
             part = _like(graph.call_function(aten.linear.default, (piece, weight)), linear,
                          linear.meta["val"].narrow(dim, start, size))
             reduces.append(_like(graph.call_function(functional.all_reduce.default, (part, *reduce.args[1:])),

@@ -13,7 +13,7 @@ Guarantees:
 - an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
   reads its mask in that order too.
 
-New nodes carry ``meta["collective"] = (kind, axis)``.
+New nodes carry ``annotation.collective = (kind, axis)``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..rules.spatial import INTERPOLATING
 from ..runtime import collectives
 from .context import PassContext
 from .insert_collectives import axis_sizes, rekey, split_size
+from ..annotations import annotation
 
 aten = torch.ops.aten
 _HALOS = (collectives.halo_convolution, collectives.halo_transposed_convolution)
@@ -53,7 +54,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: no attention is left with ring-sharded keys, no convolution with rows split along a spatial
     dim."""
     for node in gm.graph.nodes:
-        required = node.meta.get("required", {})
+        required = (annotation(node).required or {})
         if node.target is _ATTENTION and any(is_sharded(required.get(axis, {}).get(node.args[1], R))
                                              for axis in RING_AXES):
             raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
@@ -84,9 +85,9 @@ def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int
 def _like(node: Node, mask: Node, val) -> None:
     """A rewrite of ``mask`` along dims no axis shards: its placements, reading its inputs as they are."""
     node.meta["val"] = val
-    node.meta["placements"] = dict(mask.meta["placements"])
-    node.meta["required"] = {axis: {n: n.meta["placements"][axis] for n in node.all_input_nodes}
-                             for axis in mask.meta["placements"]}
+    annotation(node).placements = dict(annotation(mask).placements)
+    annotation(node).required = {axis: {n: annotation(n).placements[axis] for n in node.all_input_nodes}
+                             for axis in annotation(mask).placements}
 
 
 def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
@@ -96,7 +97,7 @@ def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
         if node.target is not _ATTENTION or all(n in node.args[:3] for n in node.all_input_nodes):
             continue
         q, k = node.args[:2]
-        orders = {-2: q.meta.get("rank_order"), -1: k.meta.get("rank_order")}
+        orders = {-2: annotation(q).rank_order, -1: annotation(k).rank_order}
         for mask in [n for n in node.all_input_nodes if n not in node.args[:3]]:
             for dim, order in orders.items():
                 if order is not None and mask.meta["val"].shape[dim] != 1:
@@ -115,14 +116,14 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         if node.target is not _ATTENTION:
             continue
         q, k, v = node.args[:3]
-        axes = [axis for axis in RING_AXES if axis in node.meta["required"]
-                and is_sharded(node.meta["required"][axis].get(k, R))]
+        axes = [axis for axis in RING_AXES if axis in annotation(node).required
+                and is_sharded(annotation(node).required[axis].get(k, R))]
         if not axes:
             continue
         if len(axes) > 1:
             raise PartitionError(f"{node.name}: keys sharded over several ring axes {axes}")
         axis = axes[0]
-        keys = node.meta["required"][axis][k]
+        keys = annotation(node).required[axis][k]
         rows = axis_sizes(k, keys, axis, ctx)
         mask = _attention_mask(node)
         size = split_size(k, keys, axis, ctx)  # each rank's key columns of the mask: its part of every block
@@ -131,7 +132,7 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         node.args = (q, k, v, node.kwargs.get("scale"), rows, ctx.mesh.coordinate(axis), ctx.mesh.group_name(axis),
                      *((mask, columns) if mask is not None else ()))
         node.kwargs = {}
-        node.meta["collective"] = (CollectiveKind.RING_PASS, axis)
+        annotation(node).collective = (CollectiveKind.RING_PASS, axis)
 
 
 def _attention_mask(node: Node) -> Node | None:
@@ -150,9 +151,9 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
         if split is None:
             continue
         axis, placement = split
-        if [p.dim for p in x.meta["placements"].values() if is_sharded(p)].count(placement.dim) > 1:
+        if [p.dim for p in annotation(x).placements.values() if is_sharded(p)].count(placement.dim) > 1:
             raise PartitionError(f"{node.name}: a convolution over a dim split by several axes "
-                                 f"({x.meta['placements']}); its halo exchange runs over one sequence axis")
+                                 f"({annotation(x).placements}); its halo exchange runs over one sequence axis")
         rows = halo_rows(node, placement.dim)
         if rows == (0, 0):  # a kernel of one row along the split dim: each rank's rows suffice
             continue
@@ -171,12 +172,12 @@ def _halo_convolutions(gm: GraphModule, ctx: PassContext) -> None:
             node.args = (x, node.args[1], bias, stride, padding, dilation, groups, placement.dim, *ring,
                          *((mode,) if mode != "constant" else ()))
         node.kwargs = {}
-        node.meta["collective"] = (CollectiveKind.HALO_EXCHANGE, axis)
+        annotation(node).collective = (CollectiveKind.HALO_EXCHANGE, axis)
 
 
 def _spatial_axes(node: Node) -> dict[str, object]:
     """The sequence axes that split ``node``'s first input along a spatial dim (2 or later), with their placement."""
-    x, required = node.args[0], node.meta.get("required", {})
+    x, required = node.args[0], (annotation(node).required or {})
     return {axis: required[axis][x] for axis in SEQUENCE_AXES
             if is_sharded(required.get(axis, {}).get(x, R)) and required[axis][x].dim >= 2}
 
@@ -202,7 +203,7 @@ def _group_norms(gm: GraphModule, ctx: PassContext) -> None:
         node.target = collectives.sharded_group_norm
         node.args = (args[0], args[1], args[2], args[3], eps, ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = (CollectiveKind.ALL_REDUCE, axis)
+        annotation(node).collective = (CollectiveKind.ALL_REDUCE, axis)
 
 
 def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
@@ -217,4 +218,4 @@ def _interpolations(gm: GraphModule, ctx: PassContext) -> None:
         node.args = (node.args[0], mode, list(node.args[3]), placement.dim, reach, ctx.mesh.coordinate(axis),
                      ctx.mesh.size(axis), ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = (CollectiveKind.HALO_EXCHANGE, axis)
+        annotation(node).collective = (CollectiveKind.HALO_EXCHANGE, axis)

@@ -30,6 +30,7 @@ from ..frontend.trace import copy_graph_module
 from ..placement import Replicate
 from ..runtime import collectives, differentiable
 from .annotate_heads import module_path
+from ..annotations import annotation, copied_meta
 
 aten = torch.ops.aten
 functional = collectives.functional
@@ -56,7 +57,7 @@ def _paired(issue: Node, wait: Node, target, args: tuple) -> None:
     """One call of ``target`` at ``issue``'s place, for the pair: the wait's value and placements, its readers."""
     with issue.graph.inserting_before(issue):
         new = issue.graph.call_function(target, args)
-    new.meta = dict(wait.meta)
+    new.meta = copied_meta(wait)
     wait.replace_all_uses_with(new)
     issue.graph.erase_node(wait)
     issue.graph.erase_node(issue)
@@ -71,7 +72,7 @@ def _pair_collectives(gm: GraphModule, mesh, owner: str) -> None:
             _paired(issue, wait, differentiable.summed, (x, group_name))
         elif issue.target in collectives.STARTS:
             (wait,) = issue.users
-            index = mesh.coordinate(issue.meta["collective"][1])
+            index = mesh.coordinate(annotation(issue).collective[1])
             if issue.target is collectives.all_gather_start:
                 x, dim, sizes, group_name = issue.args
                 _paired(issue, wait, differentiable.gathered, (x, dim, sizes, index, group_name))
@@ -102,8 +103,8 @@ def _copy_as_value(gm: GraphModule) -> None:
             value = graph.call_function(aten.expand.default, (cast, list(like.shape)))
             owned = graph.call_function(aten.clone.default, (value,))
         for new in (cast, value, owned):
-            new.meta = {key: node.meta[key] for key in ("val", "placements", "nn_module_stack", "stack_trace")
-                        if key in node.meta}
+            new.meta = {key: node.meta[key] for key in ("val", "nn_module_stack", "stack_trace") if key in node.meta}
+            annotation(new).placements = annotation(node).placements
         if isinstance(source.meta.get("val"), torch.Tensor):  # (the cast has the source's shape)
             cast.meta["val"] = source.meta["val"].to(like.dtype)
         node.replace_all_uses_with(owned)
@@ -129,12 +130,12 @@ def _sum_shared_gradients(gm: GraphModule, mesh, owner: str) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is differentiable.sum_gradients:
             continue
-        readers = node.meta.get("placements")
+        readers = annotation(node).placements
 
         def shared(source: Node) -> Node:
             if not isinstance(source, Node) or not _differentiable_value(source):
                 return source
-            placements = source.meta.get("placements")
+            placements = annotation(source).placements
             if placements is None or readers is None:
                 raise BackwardUnsupported(f"{owner}: backward through a partitioned program: the placement of "
                                           f"{_where(source if placements is None else node)} is not recorded, so "
@@ -147,8 +148,8 @@ def _sum_shared_gradients(gm: GraphModule, mesh, owner: str) -> None:
                 with graph.inserting_after(source):
                     summed = graph.call_function(differentiable.sum_gradients,
                                                  (source, [mesh.group_name(axis) for axis in axes]))
-                summed.meta = {key: source.meta[key] for key in ("val", "placements", "nn_module_stack")
-                               if key in source.meta}
+                summed.meta = {key: source.meta[key] for key in ("val", "nn_module_stack") if key in source.meta}
+                annotation(summed).placements = annotation(source).placements
                 inserted[(source, axes)] = summed
             return inserted[(source, axes)]
 
@@ -159,7 +160,7 @@ def _sum_shared_gradients(gm: GraphModule, mesh, owner: str) -> None:
 def _check_outputs_whole(gm: GraphModule, mesh, owner: str) -> None:
     (output,) = [node for node in gm.graph.nodes if node.op == "output"]
     for value in output.all_input_nodes:
-        placements = value.meta.get("placements") or {}
+        placements = annotation(value).placements or {}
         partial = [axis for axis in mesh.axis_names if not _replicated(placements.get(axis))]
         if partial and _differentiable_value(value):
             raise BackwardUnsupported(f"{owner}: backward through a partitioned program: the output {_where(value)} "

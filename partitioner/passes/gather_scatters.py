@@ -41,6 +41,7 @@ from ..rules.pointwise import SAME_AS_INPUT
 from ..rules.sequence_dims import find_sequence_dims
 from .context import PassContext
 from .plan_sequence import ancestors
+from ..annotations import annotation, copied_meta
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -67,7 +68,7 @@ def _scatters(gm: GraphModule, ctx: PassContext) -> list[Node]:
                                                                    if user.args[0] is node):
             along[node] = dim
     return [node for node in gm.graph.nodes if node in along and node.name not in ctx.padding_reads
-            and not node.meta.get("row_owners") and node.args[2].meta["val"].dim() == 1]
+            and not annotation(node).row_owners and node.args[2].meta["val"].dim() == 1]
 
 
 def _is_scatter(node: Node) -> bool:
@@ -86,7 +87,7 @@ def _call(graph, target, args: tuple, kwargs: dict | None = None, like: Node | N
     with fake_mode:
         val = target(*vals, **kwvals)
     if like is not None:
-        node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+        node.meta.update({k: v for k, v in copied_meta(like).items() if k not in ("val", "tensor_meta")})
     node.meta["val"] = val
     return node
 
@@ -110,7 +111,7 @@ def _as_gather(gm: GraphModule, scatter: Node) -> Node:
                      fake_mode=index_val.fake_mode, name="source_rows")
     with graph.inserting_after(rows):
         owner = _call(graph, aten.index_copy.default, (none, 0, index, rows), like=scatter, name="source_row_of")
-        owner.meta["row_owners"] = True
+        annotation(owner).row_owners = True
     with graph.inserting_after(owner):
         take = _call(graph, aten.clamp_min.default, (owner, 0), like=scatter, name="rows_to_pick")
     with graph.inserting_before(scatter):

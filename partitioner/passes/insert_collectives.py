@@ -1,6 +1,6 @@
 """insert_collectives: redistribute every value whose placement differs from what its consumer requires.
 
-Requires: the PLAN passes have run (``meta["placements"]`` and ``meta["required"]`` on every node).
+Requires: the PLAN passes have run (``annotation.placements`` and ``annotation.required`` on every node).
 Guarantees: for every edge, the producer's placement equals the consumer's requirement:
 
 - Partial -> Replicate: functional ``all_reduce`` + ``wait_tensor`` right after the producer, once for all of its
@@ -17,7 +17,7 @@ Guarantees: for every edge, the producer's placement equals the consumer's requi
 - Replicate -> Shard: a local slice of this rank's part; no communication.
 (Attentions over ring-sharded keys and convolutions over split rows become kernels in ``collective_kernels``.)
 
-New nodes carry ``meta["collective"] = (kind, axis)`` when they communicate.
+New nodes carry ``annotation.collective = (kind, axis)`` when they communicate.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..rules import PartitionError
 from ..runtime import collectives
 from . import device_layout
 from .context import PassContext
+from ..annotations import annotation
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -46,16 +47,16 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
               val=None) -> Node:
     """Metadata for a new node: global value ``val`` (default: ``like``'s), placement, input requirements."""
     node.meta["val"] = like.meta["val"] if val is None else val
-    node.meta["placements"] = {**like.meta["placements"], axis: placement}
+    annotation(node).placements = {**annotation(like).placements, axis: placement}
     # over every other axis the new node takes its inputs as they are
-    node.meta["required"] = {other: {n: n.meta["placements"][other] for n in node.all_input_nodes}
-                             for other in like.meta["placements"] if other != axis}
-    node.meta["required"][axis] = required
+    annotation(node).required = {other: {n: annotation(n).placements[other] for n in node.all_input_nodes}
+                             for other in annotation(like).placements if other != axis}
+    annotation(node).required[axis] = required
     for key in ("nn_module_stack", "stack_trace"):  # an error or a dump at this node names the model's line
         if key in like.meta:
             node.meta[key] = like.meta[key]
     if collective:
-        node.meta["collective"] = (CollectiveKind(collective), axis)
+        annotation(node).collective = (CollectiveKind(collective), axis)
     return node
 
 
@@ -74,7 +75,7 @@ def _bias_sliced_alike(linear: Node, placement, axis: str) -> bool:
     over the same ranks); otherwise the sum is reduced whole first (decided by the placements, never a size)."""
     if not _has_bias(linear) or not _splits_features(linear, placement):
         return True
-    others = [p for other, p in linear.meta["placements"].items() if other != axis]
+    others = [p for other, p in annotation(linear).placements.items() if other != axis]
     return isinstance(placement, Shard) and not any(_splits_features(linear, p) for p in others)
 
 
@@ -84,7 +85,7 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Nod
     (``_bias_sliced_alike``), which the redistribution below cuts."""
     bias = linear.args[2]
     linear.args = linear.args[:2]
-    for requirements in linear.meta["required"].values():
+    for requirements in annotation(linear).required.values():
         requirements.pop(bias, None)
     graph = linear.graph
     with graph.inserting_after(reduced):
@@ -95,7 +96,7 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Nod
 
 def rekey(user: Node, old: Node, new: Node) -> None:
     """``user`` now reads ``new`` where it read ``old``: its requirements (every axis) follow."""
-    for requirements in user.meta["required"].values():
+    for requirements in annotation(user).required.values():
         if old in requirements:
             requirements[new] = requirements.pop(old)
 
@@ -126,7 +127,7 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
 def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, axis: str, current, placement,
             kind: str) -> Node:
     """A collective in two nodes, so that ``schedule_collectives`` can run independent compute while it is in
-    flight: ``start`` issues it (its buffer shaped as the collective moves it, ``meta["in_flight"]``: it keeps its
+    flight: ``start`` issues it (its buffer shaped as the collective moves it, ``annotation.in_flight``: it keeps its
     input's placement for bookkeeping, but is no slice of a global value) and ``wait`` waits for it and gives the
     value placed ``placement``."""
     graph = producer.graph
@@ -134,7 +135,7 @@ def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, ax
         issue = graph.call_function(start, (producer, *start_args))
     with graph.inserting_after(issue):
         done = graph.call_function(wait, (issue, *wait_args))
-    _annotate(issue, producer, axis, current, {producer: current}, kind).meta["in_flight"] = True
+    annotation(_annotate(issue, producer, axis, current, {producer: current}, kind)).in_flight = True
     return _annotate(done, producer, axis, placement, {issue: current})
 
 
@@ -149,7 +150,7 @@ def _reduce_scatter(producer: Node, placement, axis: str, ctx: PassContext) -> N
 
 def _scattered_as(producer: Node, axis: str):
     """The plain shard every consumer of a partial sum wants over ``axis``, if they all want the same one."""
-    wanted = {repr(p): p for p in (user.meta["required"].get(axis, {}).get(producer) for user in producer.users)}
+    wanted = {repr(p): p for p in (annotation(user).required.get(axis, {}).get(producer) for user in producer.users)}
     placement = next(iter(wanted.values())) if len(wanted) == 1 else None
     return placement if isinstance(placement, (Shard, InnerShard)) else None
 
@@ -163,7 +164,7 @@ def axis_sizes(producer: Node, placement, axis: str, ctx: PassContext) -> list[i
 def split_size(producer: Node, placement, axis: str, ctx: PassContext) -> int:
     """The size of ``placement``'s dim that ``axis`` splits: what the axes applied before it leave (all the others
     for an ``InnerShard``)."""
-    placements = {**producer.meta["placements"], axis: placement}
+    placements = {**annotation(producer).placements, axis: placement}
     return local_shape(producer.meta["val"].shape, placements, ctx.mesh, upto=axis)[placement.dim]
 
 
@@ -192,7 +193,7 @@ def _in_sequence_order(gathered: Node, like: Node, placement: PackedShard, size:
             continue
         with graph.inserting_after(anchor):
             anchor = graph.call_function(aten.slice.Tensor, (gathered, dim, at, at + length))
-        anchor.meta["local_slice"] = True  # bounds in the gathered rank order, not the value's
+        annotation(anchor).local_slice = True  # bounds in the gathered rank order, not the value's
         sliced.append(_annotate(anchor, like, axis, R, {gathered: R}, val=val.narrow(dim, 0, length)))
     with graph.inserting_after(anchor):
         joined = graph.call_function(aten.cat.default, (sliced, dim))
@@ -219,7 +220,7 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
                        collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order), axis, current,
                        required, "all_to_all")
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
-        exchange.meta["rank_order"] = (axis, current.blocks)
+        annotation(exchange).rank_order = (axis, current.blocks)
     return exchange
 
 
@@ -247,18 +248,18 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
     for index, (start, end) in enumerate(ranges):
         with graph.inserting_after(anchor):
             anchor = graph.call_function(aten.slice.Tensor, (producer, placement.dim, start, end))
-        anchor.meta["local_slice"] = True  # its bounds are this rank's already (localize leaves them)
+        annotation(anchor).local_slice = True  # its bounds are this rank's already (localize leaves them)
         piece_placement, val = pieces[index]
         pieces[index] = _annotate(anchor, producer, axis, piece_placement, {producer: R}, val=val)
     if len(pieces) == 1:
         return pieces[0]
     with graph.inserting_after(anchor):
         joined = graph.call_function(aten.cat.default, (pieces, placement.dim))
-    return _annotate(joined, producer, axis, placement, {p: p.meta["placements"][axis] for p in pieces})
+    return _annotate(joined, producer, axis, placement, {p: annotation(p).placements[axis] for p in pieces})
 
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
-    order = producer.args[0].meta.get("rank_order") if producer.target is _ATTENTION else None
+    order = annotation(producer.args[0]).rank_order if producer.target is _ATTENTION else None
     if order is not None and order[0] == axis and required == R and is_sharded(current) and current.dim != 2:
         return _gather_in_packed_order(producer, current, order[1], axis, ctx)
     if order is not None and order[0] == axis and required != PackedShard(2, order[1]):
@@ -293,7 +294,7 @@ def _inner_splits(producer: Node, required, axis: str, ctx: PassContext) -> list
         return []
     names = list(ctx.mesh.axis_names)
     return [(other, placement) for other in names[names.index(axis) + 1:]
-            for placement in [producer.meta["placements"].get(other, R)]
+            for placement in [annotation(producer).placements.get(other, R)]
             if is_sharded(placement) and not isinstance(placement, InnerShard) and placement.dim == required.dim]
 
 
@@ -304,8 +305,8 @@ def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
     for axis in ctx.mesh.axis_names:
         for node in list(gm.graph.nodes):
             for producer in list(node.all_input_nodes):
-                required = node.meta["required"].get(axis, {}).get(producer)
-                if isinstance(producer.meta["placements"][axis], Partial) and required is not None \
+                required = annotation(node).required.get(axis, {}).get(producer)
+                if isinstance(annotation(producer).placements[axis], Partial) and required is not None \
                         and not isinstance(required, (tuple, Partial)):
                     scattered = _scattered_as(producer, axis)
                     if scattered is not None and _bias_sliced_alike(producer, scattered, axis):
@@ -316,7 +317,7 @@ def _reduce_partials(gm: GraphModule, ctx: PassContext) -> None:
 
 def _required_local_shape(node: Node, source: Node, ctx: PassContext) -> list[int]:
     """``source``'s shape on this rank as ``node`` reads it (its required placement on every axis)."""
-    placements = {axis: required.get(source, R) for axis, required in node.meta["required"].items()}
+    placements = {axis: required.get(source, R) for axis, required in annotation(node).required.items()}
     return local_shape(source.meta["val"].shape, placements, ctx.mesh)
 
 
@@ -324,7 +325,8 @@ def _scale_partial_means(gm: GraphModule, ctx: PassContext) -> None:
     """A mean over a sharded dim is this rank's mean of its part: scaled by its share of the elements, the partial
     values then sum to the whole mean (exact for uneven shards too)."""
     for node in list(gm.graph.nodes):
-        if node.target is not aten.mean.dim or not any(isinstance(p, Partial) for p in node.meta["placements"].values()):
+        placements = annotation(node).placements
+        if node.target is not aten.mean.dim or not any(isinstance(p, Partial) for p in placements.values()):
             continue
         source = node.args[0]
         shape, local = source.meta["val"].shape, _required_local_shape(node, source, ctx)
@@ -334,8 +336,9 @@ def _scale_partial_means(gm: GraphModule, ctx: PassContext) -> None:
         users = list(node.users)
         with gm.graph.inserting_after(node):
             scaled = gm.graph.call_function(aten.mul.Tensor, (node, share))
-        scaled.meta.update(val=node.meta["val"], placements=dict(node.meta["placements"]),
-                           required={axis: {node: p} for axis, p in node.meta["placements"].items()})
+        scaled.meta["val"] = node.meta["val"]
+        annotation(scaled).placements = dict(annotation(node).placements)
+        annotation(scaled).required = {axis: {node: p} for axis, p in annotation(node).placements.items()}
         for key in ("nn_module_stack", "stack_trace"):
             if key in node.meta:
                 scaled.meta[key] = node.meta[key]
@@ -352,7 +355,7 @@ def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
             continue
         source, normalized = node.args[0], node.args[1]
         last = len(source.meta["val"].shape) - 1
-        axes = [axis for axis, required in node.meta["required"].items()
+        axes = [axis for axis, required in annotation(node).required.items()
                 if is_sharded(required.get(source, R)) and required[source].dim == last and len(normalized) == 1]
         if not axes:
             continue
@@ -367,7 +370,7 @@ def _distribute_norms(gm: GraphModule, ctx: PassContext) -> None:
             node.args = (source, args[2], args[3], 1e-5 if args[4] is None else args[4], normalized[0],
                          ctx.mesh.group_name(axis))
         node.kwargs = {}
-        node.meta["collective"] = (CollectiveKind.ALL_REDUCE, axis)
+        annotation(node).collective = (CollectiveKind.ALL_REDUCE, axis)
 
 
 def _kind(current, required) -> str:
@@ -405,8 +408,8 @@ def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, kind: str) 
     redistributed: dict[tuple[Node, str], Node] = {}
     for node in list(gm.graph.nodes):
         for producer in list(node.all_input_nodes):
-            required = node.meta["required"].get(axis, {}).get(producer)
-            current = producer.meta["placements"][axis]
+            required = annotation(node).required.get(axis, {}).get(producer)
+            current = annotation(producer).placements[axis]
             if required is None or isinstance(required, tuple) or current == required:
                 continue
             if _kind(current, required) != kind:
@@ -427,11 +430,11 @@ def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, kind: str) 
 def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: every input of every node is placed as that node requires."""
     for node in gm.graph.nodes:
-        for axis, requirements in node.meta["required"].items():
+        for axis, requirements in annotation(node).required.items():
             for producer, required in requirements.items():
                 if isinstance(required, tuple):
                     continue
-                current = producer.meta["placements"][axis]
+                current = annotation(producer).placements[axis]
                 if current != required:
                     raise InvariantError(f"{node.name} needs {producer.name} as {required} over {axis!r}, "
                                          f"it is {current}")

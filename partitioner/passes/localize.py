@@ -8,7 +8,7 @@ Guarantees:
   convolution this rank's groups, and views are reshapes
   (the trace's strides do not hold once collectives lay values out);
 - ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
-  placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``meta["global_shape"]``
+  placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``annotation.global_shape``
   keeps the global one.
 """
 
@@ -26,6 +26,7 @@ from ..rules.views import block_range
 from ..runtime import collectives
 from .context import PassContext
 from .regions import propagate_fake_values
+from ..annotations import annotation
 
 aten = torch.ops.aten
 _SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -40,7 +41,7 @@ def _shape(val):
 
 
 def _expected_local(node: Node, mesh):
-    shape, placements = node.meta["global_shape"], node.meta["placements"]
+    shape, placements = annotation(node).global_shape, annotation(node).placements
     if shape is None or not shape or not isinstance(shape[0], tuple):
         return tuple(local_shape(shape, placements, mesh)) if shape is not None else None
     per_output = [{axis: p[i] if isinstance(p, tuple) else p for axis, p in placements.items()}
@@ -50,11 +51,11 @@ def _expected_local(node: Node, mesh):
 
 def _split_dim(node: Node) -> int:
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return dim % len(node.args[0].meta["global_shape"])
+    return dim % len(annotation(node.args[0]).global_shape)
 
 
 def _localize_sizes(node: Node, mesh) -> None:
-    placements = node.meta["placements"]
+    placements = annotation(node).placements
     if node.target in (aten.view.default, aten._unsafe_view.default):
         # A view is legal for the strides the trace saw; a collective's result is laid out its own way (an
         # all_to_all's output is contiguous in another order), so a rank's view may need a copy: reshape decides.
@@ -79,18 +80,18 @@ def _localize_sizes(node: Node, mesh) -> None:
         node.args = (*node.args[:index], list(_expected_local(node, mesh)), *node.args[index + 1:])
     elif node.target is aten.unflatten.int:  # named sizes become local, an inferred (-1) one stays inferred
         dim, split = node.args[1], list(node.args[2])
-        dim = dim % len(node.args[0].meta["global_shape"])
+        dim = dim % len(annotation(node.args[0]).global_shape)
         local = _expected_local(node, mesh)[dim:dim + len(split)]
         node.args = (node.args[0], node.args[1], [-1 if s == -1 else size for s, size in zip(split, local)])
     elif node.target in GROUPS_ARGUMENT and groups_of(node) > 1:  # a rank convolves its channels' groups
         index, source = GROUPS_ARGUMENT[node.target], node.args[0]
-        groups = groups_of(node) * _expected_local(source, mesh)[1] // source.meta["global_shape"][1]
+        groups = groups_of(node) * _expected_local(source, mesh)[1] // annotation(source).global_shape[1]
         if len(node.args) > index:
             node.args = (*node.args[:index], groups, *node.args[index + 1:])
         else:  # (export passes it positionally; a keyword is kept a keyword)
             node.kwargs = {**node.kwargs, "groups": groups}
     elif node.target in (aten.pad.default, aten.constant_pad_nd.default):  # a rank pads its part of the new rows
-        widths, ndim = list(node.args[1]), len(node.args[0].meta["global_shape"])
+        widths, ndim = list(node.args[1]), len(annotation(node.args[0]).global_shape)
         for d, (out, source) in enumerate(zip(_expected_local(node, mesh), _expected_local(node.args[0], mesh))):
             before = 2 * (ndim - 1 - d)  # (pad's widths run from the last dim: before, after)
             if before + 1 < len(widths) and out - source != widths[before] + widths[before + 1]:
@@ -105,16 +106,16 @@ def _localize_block_slice(node: Node, mesh) -> None:
     """A slice (or slice_scatter) over whole blocks of a packed shard (the image rows of a joint text + image
     sequence) covers this rank's part of those blocks: their local offsets."""
     source = node.args[0]
-    if node.meta.get("local_slice"):  # a slice insert_collectives took of this rank's part of its input
+    if annotation(node).local_slice:  # a slice insert_collectives took of this rank's part of its input
         return
     dim_arg = 2 if node.target is aten.slice_scatter.default else 1
-    dim = (node.args[dim_arg] if len(node.args) > dim_arg else 0) % len(source.meta["global_shape"])
-    packed = [(axis, p) for axis, p in source.meta["placements"].items()
+    dim = (node.args[dim_arg] if len(node.args) > dim_arg else 0) % len(annotation(source).global_shape)
+    packed = [(axis, p) for axis, p in annotation(source).placements.items()
               if isinstance(p, PackedShard) and p.dim == dim]
     if not packed:
         return
     (axis, placement), = packed
-    if any(is_sharded(p) and p.dim == dim for other, p in source.meta["placements"].items() if other != axis):
+    if any(is_sharded(p) and p.dim == dim for other, p in annotation(source).placements.items() if other != axis):
         raise InvariantError(f"{node.name}: a block slice of a dim sharded over two axes")
     first, last = block_range(node, placement, dim_arg)
     # this rank's width of each block (uneven blocks, in whole units, differ from rank to rank)
@@ -127,9 +128,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     mesh = ctx.mesh
     for node in gm.graph.nodes:
         # (a collective's buffer in flight is shaped as the collective moves it: no global value it is a part of)
-        node.meta["global_shape"] = None if node.meta.get("in_flight") else _shape(node.meta.get("val"))
+        annotation(node).global_shape = None if annotation(node).in_flight else _shape(node.meta.get("val"))
     for node, graph_input in ctx.placeholder_inputs(gm).items():
-        sharded = {axis: p for axis, p in node.meta["placements"].items() if is_sharded(p)}
+        sharded = {axis: p for axis, p in annotation(node).placements.items() if is_sharded(p)}
         if sharded and graph_input.is_model_tensor:
             ctx.slice_specs[graph_input.target] = sharded
     for node in gm.graph.nodes:
@@ -148,9 +149,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
 def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: every value's per-rank shape is its global shape cut by its placements."""
     for node in gm.graph.nodes:
-        if node.op == "output" or node.meta.get("global_shape") is None:
+        if node.op == "output" or annotation(node).global_shape is None:
             continue
         expected, actual = _expected_local(node, ctx.mesh), _shape(node.meta.get("val"))
         if expected != actual:
             raise InvariantError(f"{node.name}: local shape {actual} but placements "
-                                 f"{node.meta['placements']} of {node.meta['global_shape']} imply {expected}")
+                                 f"{annotation(node).placements} of {annotation(node).global_shape} imply {expected}")

@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from ..errors import InputError
+from ..annotations import annotation
 
 aten = torch.ops.aten
 INT32 = torch.iinfo(torch.int32)
@@ -80,7 +81,7 @@ def _narrow(node: Node, root: Node) -> None:
             user.target = aten.index_put.default
             user.args = (self, [None] * (dim % self.meta["val"].dim()) + [index], source)
             # index_copy refuses a negative index, index_put wraps it: the input check keeps the refusal
-            root.meta["nonnegative"] = user.name
+            annotation(root).nonnegative = user.name
 
 
 def run(gm: GraphModule) -> GraphModule:
@@ -90,7 +91,7 @@ def run(gm: GraphModule) -> GraphModule:
         if not isinstance(val, torch.Tensor) or val.dtype != torch.int64 or not _only_indexes(node, memo):
             continue
         if node.op == "placeholder":
-            node.meta["narrowed_from"] = torch.int64  # cast_inputs casts this argument at each call
+            annotation(node).narrowed_from = torch.int64  # cast_inputs casts this argument at each call
         elif node.target in _ARANGES and all(isinstance(a, int) and INT32.min <= a <= INT32.max for a in node.args):
             node.update_kwarg("dtype", torch.int32)
         else:
@@ -104,8 +105,8 @@ def cast_inputs(fn, gm: GraphModule):
     argument is checked to fit int32 and cast. An argument passed again as the same, unchanged tensor (a model
     buffer) is checked and cast once."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    narrowed = [(i, node.name, node.meta.get("nonnegative")) for i, node in enumerate(placeholders)
-                if "narrowed_from" in node.meta]
+    narrowed = [(i, node.name, annotation(node).nonnegative) for i, node in enumerate(placeholders)
+                if annotation(node).narrowed_from is not None]
     if not narrowed:
         return fn
     last: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (argument, its version, cast)

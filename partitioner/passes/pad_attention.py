@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from ..rules.attention import attention_options
+from ..annotations import annotation
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -38,10 +39,11 @@ def paddable(node: Node) -> bool:
     return mask is None and not dropout and (not causal or same_length)
 
 
-def _add(gm: GraphModule, target, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> Node:
+def _add(gm: GraphModule, target, args: tuple, kwargs: dict | None = None, heads=None) -> Node:
     """``target(*args, **kwargs)`` at the graph's insertion point, its value computed on its inputs' fake values."""
     node = gm.graph.call_function(target, args, kwargs)
-    node.meta.update(meta or {})
+    if heads is not None:
+        annotation(node).heads = heads
     node.meta["val"] = target(*map_arg(args, lambda n: n.meta["val"]), **map_arg(kwargs or {}, lambda n: n.meta["val"]))
     return node
 
@@ -61,21 +63,21 @@ def _pad(gm: GraphModule, node: Node, block: int) -> None:
     q_rows, k_rows = q.meta["val"].shape[-2], k.meta["val"].shape[-2]
     q_pad, k_pad = -q_rows % block, -k_rows % block
     options, kwargs = node.args[3:], node.kwargs  # scale and GQA as given (the default scale reads head_dim)
-    meta = {"heads": node.meta["heads"]} if "heads" in node.meta else {}  # names the attention in Neuron's check
+    heads = annotation(node).heads  # names the attention in Neuron's check
     previous = node.prev
     causal = attention_options(node)[2]
     with gm.graph.inserting_before(node):
         qp = _padded(gm, q, q_pad) if q_pad else q
         if causal:  # one length: later (padded) keys are masked out for every real query
-            out = _add(gm, SDPA, (qp, _padded(gm, k, k_pad), _padded(gm, v, k_pad), *options), kwargs, meta)
+            out = _add(gm, SDPA, (qp, _padded(gm, k, k_pad), _padded(gm, v, k_pad), *options), kwargs, heads)
         elif k_pad:
             kp, vp = _padded(gm, k, k_pad, copy_first=True), _padded(gm, v, k_pad)
             real = _padded(gm, _add(gm, aten.ones_like.default, (v,)), k_pad)  # 1 on real key rows, 0 on padded
-            o1 = _add(gm, SDPA, (qp, kp, vp, *options), kwargs, meta)
-            o2 = _add(gm, SDPA, (qp, kp, real, *options), kwargs, meta)
+            o1 = _add(gm, SDPA, (qp, kp, vp, *options), kwargs, heads)
+            o2 = _add(gm, SDPA, (qp, kp, real, *options), kwargs, heads)
             out = _add(gm, aten.div.Tensor, (o1, o2))
         else:
-            out = _add(gm, SDPA, (qp, k, v, *options), kwargs, meta)
+            out = _add(gm, SDPA, (qp, k, v, *options), kwargs, heads)
         if q_pad:
             out = _add(gm, aten.slice.Tensor, (out, out.meta["val"].dim() - 2, 0, q_rows))
     while previous.next is not node:  # every new node: where it comes from, for dumps and tests

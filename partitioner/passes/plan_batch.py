@@ -1,7 +1,7 @@
 """plan_batch: data parallelism over a "dp" mesh axis (alias "cfg", for classifier-free guidance's two batches).
 
 Requires: plan_sequence has run (every node has its tp and ulysses placements; this pass adds the batch axis).
-Guarantees: every node carries ``meta["placements"][axis]`` and ``meta["required"][axis]``; the batch is split
+Guarantees: every node carries ``annotation.placements[axis]`` and ``annotation.required[axis]``; the batch is split
 where it enters and gathered only at the outputs.
 
 The batch is dim 0 of the model's first output. Every user input whose dim 0 has that size is offered split along
@@ -22,6 +22,7 @@ from ..placement import Shard, any_sharded
 from ..rules import Decision, rule_for, shape_of
 from ..rules.propagate import sweep
 from .context import PassContext
+from ..annotations import annotation
 
 
 def batch_axis(ctx: PassContext) -> str | None:
@@ -73,8 +74,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                              + "; ".join(f"{name}: {why}" for name, why in list(ctx.batch_split.items())[:3]))
     ctx.batch_split.update({seed.name: BatchSplit(True) for seed in seeds})
     for node in gm.graph.nodes:
-        node.meta["placements"][axis] = swept.decisions[node].output
-        node.meta["required"][axis] = swept.decisions[node].inputs
+        annotation(node).placements[axis] = swept.decisions[node].output
+        annotation(node).required[axis] = swept.decisions[node].inputs
     return gm
 
 
@@ -84,5 +85,5 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     if axis is None:
         return
     for node in gm.graph.nodes:
-        if axis not in node.meta["placements"]:
+        if axis not in annotation(node).placements:
             raise InvariantError(f"{node.name} has no {axis} placement")

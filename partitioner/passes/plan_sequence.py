@@ -1,7 +1,7 @@
 """plan_sequence: sequence parallelism over the "ring" and "ulysses" mesh axes, decided from the graph's structure.
 
 Requires: plan_sharding has run (the tp placements: a Ulysses exchange splits the heads a tp rank holds).
-Guarantees: every node carries ``meta["placements"][axis]`` and ``meta["required"][axis]`` for each sequence axis
+Guarantees: every node carries ``annotation.placements[axis]`` and ``annotation.required[axis]`` for each sequence axis
 of the mesh. Each axis is planned on its own, in mesh order (ring, then ulysses: USP, Ulysses inside each ring
 group); they differ only in their attention rule: Ulysses exchanges q/k/v to head sharding and back, ring attention
 keeps every rank's rows and sends key/value blocks round the ring (``rules/attention.py``).
@@ -47,6 +47,7 @@ from ..rules.propagate import sweep
 from ..rules.sequence_dims import SequenceDims, find_sequence_dims
 from . import value_keys
 from .context import PassContext
+from ..annotations import annotation
 
 R = Replicate()
 
@@ -290,8 +291,8 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
                                          if node in seeds)
     _record_attentions(attentions, decisions, refused, ctx, axis, stopped)
     for node in gm.graph.nodes:
-        node.meta["placements"][axis] = decisions[node].output
-        node.meta["required"][axis] = decisions[node].inputs
+        annotation(node).placements[axis] = decisions[node].output
+        annotation(node).required[axis] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
     if ctx.mesh.size(axis) > 1 and not any(any_sharded(d.output) for d in decisions.values()):
         ctx.sequence_idle.append(axis)
@@ -321,7 +322,7 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         return
     found: dict[str, AttentionSequence] = {}
     for node in attentions:
-        info = node.meta.get("heads")
+        info = annotation(node).heads
         where = info.module if info is not None else node.name
         decision = decisions[node]
         if shape_of(node.args[0])[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
@@ -355,5 +356,5 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: every node has a placement for each sequence axis of the mesh."""
     for axis in [axis for axis in ctx.mesh.axis_names if axis in SEQUENCE_AXES]:
         for node in gm.graph.nodes:
-            if axis not in node.meta["placements"]:
+            if axis not in annotation(node).placements:
                 raise InvariantError(f"{node.name} has no {axis} placement")

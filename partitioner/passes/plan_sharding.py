@@ -1,8 +1,8 @@
 """plan_sharding: decide how every linear is split over the "tp" axis, and give every value a placement.
 
-Requires: annotate_heads has run (head splits are head_dim-based; they carry ``meta["heads"]``).
-Guarantees: every node carries ``meta["placements"] = {"tp": placement}`` (a tuple for multi-output ops) and
-``meta["required"] = {"tp": {input node: placement}}``, the placement each input must have for that node. Where the
+Requires: annotate_heads has run (head splits are head_dim-based; they carry ``annotation.heads``).
+Guarantees: every node carries ``annotation.placements = {"tp": placement}`` (a tuple for multi-output ops) and
+``annotation.required = {"tp": {input node: placement}}``, the placement each input must have for that node. Where the
 two disagree, ``insert_collectives`` redistributes. Parameters and buffers are placed as their consumers need them
 (they are sliced at load time, never in the graph).
 
@@ -40,6 +40,7 @@ from ..rules.core import with_dim
 from ..rules.propagate import sweep
 from ..rules.views import degree_above_heads
 from .context import PassContext
+from ..annotations import annotation
 
 AXIS = "tp"
 # Row-wise with a replicated input pays off when the input has this many times fewer rows than features.
@@ -279,8 +280,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     _place_state(gm, ctx, sweep.decisions, sweep.placements, degree)
 
     for node in gm.graph.nodes:
-        node.meta["placements"] = {AXIS: sweep.placements.get(node)}
-        node.meta["required"] = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
+        annotation(node).placements = {AXIS: sweep.placements.get(node)}
+        annotation(node).required = {AXIS: sweep.decisions[node].inputs} if node in sweep.decisions else {AXIS: {}}
     for linear in linears:
         decided = _decided(linear, sweep.decisions[linear], roles, degree, linear in gathered)
         ctx.linear_styles[paths[linear]] = decided
@@ -298,8 +299,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
 def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: every node has a placement per axis and every input requirement names a real input."""
     for node in gm.graph.nodes:
-        if AXIS not in node.meta.get("placements", {}):
+        if AXIS not in (annotation(node).placements or {}):
             raise InvariantError(f"{node.name} has no placement")
-        for producer in node.meta["required"][AXIS]:
+        for producer in annotation(node).required[AXIS]:
             if producer not in node.all_input_nodes:
                 raise InvariantError(f"{node.name} requires a placement of {producer.name}, which it does not use")

@@ -48,6 +48,7 @@ from . import plan_sharding
 from .context import PassContext
 from .plan_sequence import ancestors
 from .plan_sharding import linear_path
+from ..annotations import annotation
 
 AXIS = "tp"
 R = Replicate()
@@ -62,8 +63,8 @@ def _replicated(placement) -> bool:
 def _tp_sharded_nodes(gm: GraphModule) -> set[Node]:
     """The nodes the tp plan shards: a sharded or partial output, or an input needed other than whole."""
     return {node for node in gm.graph.nodes
-            if not _replicated(node.meta["placements"][AXIS])
-            or not all(map(_replicated, node.meta["required"][AXIS].values()))}
+            if not _replicated(annotation(node).placements[AXIS])
+            or not all(map(_replicated, annotation(node).required[AXIS].values()))}
 
 
 def _row_dim(node: Node, rows) -> int | None:
@@ -74,7 +75,7 @@ def _row_dim(node: Node, rows) -> int | None:
 
 
 def _planned(node: Node) -> Decision:
-    return Decision(node.meta["placements"][AXIS], dict(node.meta["required"][AXIS]))
+    return Decision(annotation(node).placements[AXIS], dict(annotation(node).required[AXIS]))
 
 
 def _propagate(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degree: int):
@@ -91,7 +92,7 @@ def _propagate(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degr
         return decision
 
     planned_sharded = {node for node in sharded
-                       if node not in seeds and not _replicated(node.meta["placements"][AXIS])}
+                       if node not in seeds and not _replicated(annotation(node).placements[AXIS])}
 
     def row_local(node: Node):
         """The sequence-axis rule, refusing what no collective could deliver exactly: a value the tp plan shards
@@ -140,7 +141,7 @@ def _reshapes_nested_rows(node: Node, decision: Decision, outputs) -> bool:
     for source, placement in decision.inputs.items():
         if not isinstance(placement, Shard) or not shape_of(source):
             continue
-        others = [required.get(source) for axis, required in node.meta["required"].items() if axis != AXIS]
+        others = [required.get(source) for axis, required in annotation(node).required.items() if axis != AXIS]
         if any(is_sharded(p) and p.dim == placement.dim for p in others) and \
                 sizes - {shape_of(source)[placement.dim]}:
             return True
@@ -174,7 +175,7 @@ def _estimate(decisions: dict, sharded: set[Node], scattered: list[Node], gather
         val = node.meta["val"]
         if not isinstance(val, torch.Tensor) or not val.numel():
             return 1.0
-        others = {axis: p for axis, p in node.meta["placements"].items() if axis != AXIS}
+        others = {axis: p for axis, p in annotation(node).placements.items() if axis != AXIS}
         return math.prod(local_shape(val.shape, others, first)) / val.numel()
 
     def comm(kind: str, node: Node, part: float = 1.0) -> float:
@@ -226,17 +227,18 @@ def _nest(gm: GraphModule, decisions: dict, sharded: set[Node], seeds: dict[Node
         if node in sharded or node.op == "placeholder":
             continue
         decision = decisions[node]
-        inputs = {source: _inner(p, {axis: required.get(source) for axis, required in node.meta["required"].items()})
+        required = annotation(node).required
+        inputs = {source: _inner(p, {axis: wanted.get(source) for axis, wanted in required.items()})
                   for source, p in decision.inputs.items()}
-        nested[node] = (_inner(decision.output, node.meta["placements"]), inputs)
+        nested[node] = (_inner(decision.output, annotation(node).placements), inputs)
     for node, (_, inputs) in nested.items():
         for source, wanted in inputs.items():
             if not is_sharded(wanted):
                 continue
             # a seed is reduce-scattered straight into the layout its consumers want, over its own other axes
             made = wanted if source in seeds else nested[source][0] if source in nested else None
-            made_layout = _rows_layout(made, source.meta["placements"])
-            wanted_layout = _rows_layout(wanted, {axis: r.get(source) for axis, r in node.meta["required"].items()})
+            made_layout = _rows_layout(made, annotation(source).placements)
+            wanted_layout = _rows_layout(wanted, {axis: r.get(source) for axis, r in annotation(node).required.items()})
             if made_layout is not None and made_layout != wanted_layout:
                 return _Mismatch(f"{node.name} would take {source.name}'s rows split as {wanted_layout}, they are "
                                  f"split as {made_layout}", source)
@@ -274,7 +276,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     rows = find_sequence_dims(gm, lambda node: rule_for(node, sequence_axis="ulysses"),
                               skip=model_tensors.__contains__)
     sharded = _tp_sharded_nodes(gm)
-    seeds = {node: dim for node in gm.graph.nodes if isinstance(node.meta["placements"][AXIS], Partial)
+    seeds = {node: dim for node in gm.graph.nodes if isinstance(annotation(node).placements[AXIS], Partial)
              and (dim := _row_dim(node, rows)) is not None}
     while True:
         seeds, swept = _settle(gm, sharded, seeds, ctx.mesh.size(AXIS))
@@ -300,7 +302,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             return gm
         seeds = {seed: dim for seed, dim in seeds.items() if seed not in upstream}
     for node, (output, inputs) in nested.items():
-        node.meta["placements"][AXIS], node.meta["required"][AXIS] = output, inputs
+        annotation(node).placements[AXIS], annotation(node).required[AXIS] = output, inputs
     fqns = {n: gi.target for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     for seed in scattered:
         ctx.reduce_scattered[linear_path(seed, fqns)] = f"reduce-scattered along dim {seeds[seed]} (its rows)"

@@ -2,7 +2,7 @@
 
 For each pass: its requirements are checked against the passes already run; the pass runs; the graph is linted;
 the pass's postcondition is checked; every value that got a placement on an axis for the first time
-records the pass (``meta["placed_by"]``, which ``Partitioned.verify`` names); the pass is timed
+records the pass (``annotation.placed_by``, which ``Partitioned.verify`` names); the pass is timed
 (``ctx.pass_seconds``) and logged on the ``partitioner`` logger; and the graph is dumped when dumps are on.
 The Python code of the graph is generated once, after the last pass: passes read and rewrite ``gm.graph`` and run it
 through ``torch.fx.Interpreter`` (fake-tensor propagation), never through ``gm.forward``, and generating the code of
@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 
 from ..errors import InvariantError, our_step
 from ..progress import bar
+from ..annotations import annotation
 
 log = logging.getLogger("partitioner")
 
@@ -69,6 +70,7 @@ _freezes = 0  # (nested: partition's planning inside partition)
 def _record_placed_by(gm: GraphModule, pass_name: str) -> None:
     """Remember which pass first gave each value its placement on each axis."""
     for node in gm.graph.nodes:
-        placed_by = node.meta.setdefault("placed_by", {})
-        for axis in node.meta.get("placements", {}):
+        noted = annotation(node)
+        placed_by = noted.placed_by = noted.placed_by if noted.placed_by is not None else {}
+        for axis in (annotation(node).placements or {}):
             placed_by.setdefault(axis, pass_name)

@@ -37,13 +37,14 @@ from ..planning.report import aliases, collective_calls, held_bytes
 from ..runtime import collectives
 from .context import PassContext
 from .regions import code_of, runs_of_blocks
+from ..annotations import annotation
 
 # Shares of the run's original peak bytes hoisting may hold, tried in turn until the whole schedule stays within it
 HOIST_LIMITS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
 
 
 def issues_collective(node: Node) -> bool:
-    return "collective" in node.meta or (
+    return annotation(node).collective is not None or (
         "_c10d_functional" in str(node.target) and node.target not in collectives.WAITS)
 
 
@@ -221,7 +222,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     groups = {axis: ctx.mesh.groups(axis) for axis in ctx.mesh.axis_names}
 
     def comm_s(node: Node) -> float:
-        kind, axis = node.meta.get("collective", ("all_reduce", None))
+        kind, axis = annotation(node).collective or ("all_reduce", None)
         if axis is None:
             return 0.0
         size, calls = collective_calls(node)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from torch.fx import GraphModule
+from ..annotations import annotation
 
 aten = torch.ops.aten
 PROFILES = Path(__file__).parent / "profiles"
@@ -206,10 +207,10 @@ def step_time(gm: GraphModule, mesh, profile: DeviceProfile) -> StepTime:
             start, end, computed = flights.pop(node.args[0])
             overlapped = min(compute - seconds - computed, end - start)  # compute that ran while it was in flight
             clock = max(clock, end) + (1 - profile.overlap) * max(0.0, overlapped)
-        if "collective" not in node.meta:
+        if annotation(node).collective is None:
             clock += seconds
             continue
-        kind, axis = node.meta["collective"]
+        kind, axis = annotation(node).collective
         size, calls = collective_calls(node)
         mine = next(g for g in groups[axis] if mesh.rank in g)
         one = collective_s(kind, size, mine, groups[axis], profile)

@@ -23,12 +23,13 @@ from torch.fx import GraphModule
 from ..passes.context import PassContext
 from ..placement import shorthand
 from .report import build_report
+from ..annotations import annotation
 
 _ASSIGNMENT = re.compile(r"^\s+(\w+)(?:: \"[^\"]*\")? = ")
 
 
 def _placement_comment(node) -> str:
-    placements = node.meta.get("placements")
+    placements = annotation(node).placements
     if not placements:
         return ""
     parts = []

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..passes.annotate_heads import module_path
 from .report import collective_calls, human_bytes
+from ..annotations import annotation
 
 UNGROUPED = "(graph)"  # the block of a collective that no module of the model owns
 STYLE_FAMILIES = ("colwise", "rowwise", "replicate", "other")
@@ -63,9 +64,9 @@ def _block_collectives(graph_module) -> dict[str, dict[tuple[str, str, int], int
     """block -> (kind, axis, bytes per call) -> calls, sized by the report's own ``collective_calls``."""
     blocks: dict[str, dict[tuple[str, str, int], int]] = {}
     for node in graph_module.graph.nodes:
-        if "collective" not in node.meta:
+        if annotation(node).collective is None:
             continue
-        kind, axis = node.meta["collective"]
+        kind, axis = annotation(node).collective
         size, count = collective_calls(node)
         calls = blocks.setdefault(_owning_block(node), {})
         calls[(kind, axis, size)] = calls.get((kind, axis, size), 0) + count

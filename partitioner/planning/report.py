@@ -13,6 +13,7 @@ from ..decisions import Hoisted, HostKind
 from ..mesh import SEQUENCE_AXES
 from ..passes.context import PassContext
 from ..placement import is_sharded, local_shape
+from ..annotations import annotation
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,9 @@ def human_bytes(n: int) -> str:
 def _local_numel(node, mesh) -> int:
     """Elements this rank holds, whether meta["val"] is still global (before localize) or already local."""
     val = node.meta["val"]
-    if "global_shape" in node.meta:
+    if annotation(node).global_shape is not None:
         return val.numel()
-    shape = local_shape(val.shape, node.meta.get("placements", {}), mesh)
+    shape = local_shape(val.shape, (annotation(node).placements or {}), mesh)
     return torch.Size(shape).numel()
 
 
@@ -231,7 +232,7 @@ def activation_peak(gm: GraphModule, ctx: PassContext) -> int:
 
 
 def collective_calls(node) -> tuple[int, int]:
-    """(bytes per call, calls) of one collective node (``"collective" in node.meta``) on one rank: the one place
+    """(bytes per call, calls) of one collective node (its annotation's ``collective``) on one rank: the one place
     collectives are sized, so that totals summed per block (``plan_view``) equal the report's."""
     from ..runtime.collectives import (halo_convolution, halo_interpolation, halo_transposed_convolution,
                                        reduce_scatter_start, ring_attention, sharded_group_norm, sharded_layer_norm,
@@ -262,8 +263,8 @@ def collective_calls(node) -> tuple[int, int]:
 def collective_stats(gm: GraphModule) -> list[CollectiveStat]:
     calls = defaultdict(int)
     for node in gm.graph.nodes:
-        if "collective" in node.meta:
-            kind, axis = node.meta["collective"]
+        if annotation(node).collective is not None:
+            kind, axis = annotation(node).collective
             size, count = collective_calls(node)
             calls[(kind, axis, size)] += count
     return [CollectiveStat(kind, axis, count, size) for (kind, axis, size), count in sorted(calls.items())]
@@ -282,7 +283,7 @@ def rank_parameters(gm: GraphModule, ctx: PassContext) -> list[tuple[int, int]]:
     placements."""
     params = [node for node, gi in ctx.placeholder_inputs(gm).items()
               if gi.kind == "parameter" and isinstance(node.meta.get("val"), torch.Tensor)]
-    shapes = [(node.meta.get("global_shape") or tuple(node.meta["val"].shape), node.meta.get("placements", {}),
+    shapes = [(annotation(node).global_shape or tuple(node.meta["val"].shape), (annotation(node).placements or {}),
                node.meta["val"].element_size()) for node in params]
     totals = []
     for rank in range(ctx.mesh.world_size):
@@ -306,7 +307,7 @@ def build_report(gm: GraphModule, ctx: PassContext) -> Report:
             continue
         parameters += numel
         by_dtype[str(node.meta["val"].dtype).removeprefix("torch.")] += size
-        if not any(is_sharded(p) for p in node.meta.get("placements", {}).values()):
+        if not any(is_sharded(p) for p in (annotation(node).placements or {}).values()):
             replicated += size
     styles = {path: str(decided) for path, decided in ctx.linear_styles.items()}
     return Report(str(ctx.mesh), parameters, dict(by_dtype), replicated, buffers, collective_stats(gm),

@@ -11,6 +11,7 @@ from torch.fx import Node
 from ..placement import PackedShard, Shard, packed_shard
 from .core import (Decision, R, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs,
                    with_dim)
+from ..annotations import annotation
 
 aten = torch.ops.aten
 
@@ -117,7 +118,7 @@ def make_sequence_attention(roles, axis: str) -> Callable:
             return _query_rows(node, placements, masks)
         if any(n in sharded for n in masks):
             raise Unshardable("a mask sharded along the sequence (Ulysses needs it whole, per head)")
-        info = node.meta.get("heads")
+        info = annotation(node).heads
         where = info.module if info is not None else node.name
         heads, kv_heads = shape_of(q)[1], shape_of(k)[1]
         group = _gqa_group(node, heads, kv_heads)

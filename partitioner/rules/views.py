@@ -15,6 +15,7 @@ from ..placement import PackedShard, block_offsets, is_sharded, packed_shard, un
 from .attention import RING_AXES
 from .core import (Decision, NeedsPacking, NeedsUnit, R, Unshardable, norm_dim, register, register_factory,
                    same_as_input, shape_of, with_dim)
+from ..annotations import annotation
 
 aten = torch.ops.aten
 
@@ -53,7 +54,7 @@ def too_few_heads(node: Node, axis_size: int) -> None:
     """A head reshape or projection (annotated by annotate_heads) with fewer heads than ranks: a rank cannot hold
     none, so this attention stays whole (a degree above every attention's head count is refused by plan_sharding,
     ``degree_above_heads``)."""
-    heads = node.meta.get("heads")
+    heads = annotation(node).heads
     if heads is not None and heads.heads < axis_size:
         raise Unshardable(f"{heads.module}: {heads.heads} attention heads cannot be spread over {axis_size} ranks")
 

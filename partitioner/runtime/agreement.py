@@ -38,6 +38,7 @@ from ..errors import (CheckpointError, CollectiveTimeout, ConcurrentCall, InputE
 from .collectives import WAITS
 from .rank_groups import RankGroups, first_line, forget
 from .fingerprints import _number, check_fingerprint, fingerprints, values_digest
+from ..annotations import annotation
 
 def _exchange(groups: RankGroups, value, what: str) -> list:
     gathered = [None] * dist.get_world_size(groups.world)
@@ -76,7 +77,7 @@ def plan_lines(planned: torch.fx.GraphModule, header: list[str]) -> list[str]:
     """The plan as text, one decision a line: the header (mesh, options), then each node with its placements."""
     lines = list(header)
     for node in planned.graph.nodes:
-        placements = node.meta.get("placements", {})
+        placements = (annotation(node).placements or {})
         lines.append(f"{node.name} = {node.format_node()} | {placements}")
     return lines
 
@@ -308,18 +309,20 @@ _ASSIGNMENT = re.compile(r"^\s+(\w+)(?:\s*:[^=]*)?\s*=\s")
 
 
 def _is_collective_failure(error: BaseException, node: torch.fx.Node) -> bool:
-    waits_for_one = node.target in WAITS and "collective" in getattr(node.args[0], "meta", {})
-    return "collective" in node.meta or waits_for_one or isinstance(error, getattr(dist, "DistBackendError", ())) \
-        or "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    waits_for_one = (node.target in WAITS and isinstance(node.args[0], torch.fx.Node)
+                     and annotation(node.args[0]).collective is not None)
+    return (annotation(node).collective is not None or waits_for_one
+            or isinstance(error, getattr(dist, "DistBackendError", ()))
+            or "timed out" in str(error).lower() or "timeout" in str(error).lower())
 
 
 def describe_collective(node: torch.fx.Node) -> str:
-    if "collective" in node.meta:
-        kind, axis = node.meta["collective"]
+    if annotation(node).collective is not None:
+        kind, axis = annotation(node).collective
         return f"the {kind} {node.name} over mesh dim {axis!r}"
     if node.target in WAITS:
         source = node.args[0]
-        if "collective" in source.meta:
+        if annotation(source).collective is not None:
             return describe_collective(source)
     return f"a collective inside {node.name}"
 

@@ -22,6 +22,7 @@ from ..errors import VerificationError
 from ..source import source_line
 from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
 from ..passes.device_layout import place_graph_on
+from ..annotations import annotation
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _local_part(value, placements: dict, mesh):
 def _as_delivered(node: Node, value, mesh):
     """An attention over a packed joint sequence runs on rows in rank order (each rank's part of every block in
     turn, as the exchange delivers them; keys and values alike): its reference output, reordered so."""
-    order = node.args[0].meta.get("rank_order") if node.target is torch.ops.aten.scaled_dot_product_attention.default \
+    order = annotation(node.args[0]).rank_order if node.target is torch.ops.aten.scaled_dot_product_attention.default \
         else None
     if order is None or not isinstance(value, torch.Tensor):
         return value
@@ -99,8 +100,8 @@ def _error(local, expected) -> tuple[float, float]:
 
 
 def _describe(node: Node, error: float, scale: float, rank: int) -> str:
-    placements = node.meta.get("placements", {})
-    placed_by = node.meta.get("placed_by", {})
+    placements = (annotation(node).placements or {})
+    placed_by = (annotation(node).placed_by or {})
     decided = ", ".join(f"{axis}={_shorthand(p)} (by {placed_by.get(axis, '?')})" for axis, p in placements.items())
     return (f"rank {rank}: {node.name} = {getattr(node.target, '__name__', node.target)} differs from the "
             f"unpartitioned model by {error:.3g} (reference magnitude {scale:.3g}); model line: {source_line(node)}; "
@@ -163,9 +164,10 @@ def _verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, a
     for position, node in enumerate(partitioned.graph_module.graph.nodes):
         if mismatch is not None:
             break
-        if node.name not in reference.values or node.name not in local.values or "placements" not in node.meta:
+        if node.name not in reference.values or node.name not in local.values or annotation(node).placements is None:
             continue
-        expected = _local_part(_as_delivered(node, reference.values[node.name], mesh), node.meta["placements"], mesh)
+        expected = _local_part(_as_delivered(node, reference.values[node.name], mesh), annotation(node).placements,
+                               mesh)
         if expected is None or any(e is None for e in (expected if isinstance(expected, list) else ())):
             continue
         error, scale = _error(local.values[node.name], expected)

@@ -13,6 +13,7 @@ from partitioner.backends.xla import CollectiveMismatch, XlaBackendError, axis_o
 from partitioner.placement import PackedShard, Shard
 from partitioner.testing import (TINY_H3, H3DenoiseStep, denoise_inputs, flux_cfg_inputs, flux_inputs, h3_inputs,
                                  idiom_cases, tiny_flux, tiny_h3)
+from partitioner.annotations import annotation
 
 # float32 sums over sharded dims are reordered (per-shard partial sums, then the all-reduce), and attention runs as
 # einsums instead of SDPA's kernel: a few ulps on O(1) outputs; same bound as the gloo tests.
@@ -132,9 +133,9 @@ def test_naive_fused_swiglu_annotation_is_detected(model_and_reference):
     partitioned = partitioner.partition(model, {"tp": 2, "ulysses": 2}, ((), inputs), programs="global")
     naive = 0
     for node in partitioned.planned_graph.graph.nodes:
-        placements = node.meta["placements"]
+        placements = annotation(node).placements
         if any(isinstance(p, PackedShard) for p in placements.values()):
-            node.meta["placements"] = {a: Shard(p.dim) if isinstance(p, PackedShard) else p
+            annotation(node).placements = {a: Shard(p.dim) if isinstance(p, PackedShard) else p
                                        for a, p in placements.items()}
             naive += 1
     assert naive

@@ -15,6 +15,7 @@ from .layouts import (Nested, Packed, _fused, _packed_placement, _packed_ranks, 
                       partition_spec)
 from .ops import (_SPLITS, _attention, _cat_as_packed, _grouped_conv_packed, _layer_norm, _linear, _moved_packed,
                   _pointwise_packed, _ring_attention, _split_packed)
+from ...annotations import annotation
 
 aten = torch.ops.aten
 
@@ -50,9 +51,9 @@ class _Annotator(Interpreter):
         """``producer``'s value as ``consumer`` requires it: a copy annotated with the required placement where it
         differs (the edge where insert_collectives would put a collective)."""
         value = self.env[producer]
-        current = producer.meta.get("placements", {})
+        current = (annotation(producer).placements or {})
         required = dict(current)
-        for axis, requirements in consumer.meta.get("required", {}).items():
+        for axis, requirements in (annotation(consumer).required or {}).items():
             required[axis] = requirements.get(producer, required.get(axis))
         if required == current or any(isinstance(p, tuple) for p in required.values()):
             return value
@@ -88,11 +89,11 @@ class _Annotator(Interpreter):
             return super().run_node(node)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._as_required(p, node))
         value = self._call(node, args, kwargs)
-        return self._annotate(value, node.meta.get("placements", {}))
+        return self._annotate(value, (annotation(node).placements or {}))
 
     def _call(self, node: Node, args, kwargs):
         target = node.target
-        placements = node.meta.get("placements", {})
+        placements = (annotation(node).placements or {})
         if target is aten.cat.default and _packed_placement(placements, self.mesh) is not None:
             packed = _cat_as_packed(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0),
                                     _packed_placement(placements, self.mesh), _packed_ranks(placements, self.mesh))
@@ -126,13 +127,13 @@ class _Annotator(Interpreter):
     def _ring_axis(self, node: Node) -> str | None:
         key = node.args[1]
         return next((axis for axis in RING_AXES if axis in self.mesh.axis_names and self.mesh.size(axis) > 1
-                     and is_sharded(node.meta["required"].get(axis, {}).get(key))), None)
+                     and is_sharded(annotation(node).required.get(axis, {}).get(key))), None)
 
     def _ring(self, node: Node, axis: str, args, kwargs):
         """An attention whose keys the ring shards (``ops._ring_attention``). Only equal blocks of a plain sequence
         shard: XLA's tiles are equal, and a packed joint sequence's blocks are not contiguous."""
         q, k, v = args[:3]
-        ring, required = self.mesh.size(axis), node.meta["required"]
+        ring, required = self.mesh.size(axis), annotation(node).required
         placements = {a: required[a].get(node.args[1]) for a in required}
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or placements[axis] != Shard(2):  # (packed: !=)
             raise XlaBackendError(f"{node.name}: ring attention over a packed (joint) sequence or padded heads is not "

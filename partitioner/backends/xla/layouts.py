@@ -10,6 +10,7 @@ import torch
 
 from ...placement import PackedShard, Partial, Replicate, Shard
 from .errors import XlaBackendError
+from ...annotations import annotation
 
 
 def partition_spec(placements: dict, ndim: int, mesh_axes: tuple[str, ...]) -> tuple | None:
@@ -90,7 +91,7 @@ def uneven_splits(gm, mesh) -> list[str]:
     equal, padded pieces, so around these values its partitioner moves data the plan does not (all-gathers and
     collective-permutes at head reshapes): exact, but not the plan's collectives."""
     return [node.name for node in gm.graph.nodes
-            for axis, p in node.meta.get("placements", {}).items()
+            for axis, p in (annotation(node).placements or {}).items()
             if not isinstance(p, tuple) and _uneven(p, mesh.size(axis))]
 
 

@@ -22,6 +22,7 @@ from .annotate import _annotate, _Annotator
 from .errors import CollectiveMismatch, XlaBackendError
 from .hlo import HloCollective, compare, hlo_collectives
 from .layouts import Packed, _packed_placement, _packed_ranks
+from ...annotations import annotation
 
 
 def _torch_xla():
@@ -105,7 +106,7 @@ class XlaProgram:
         key = (id(value), value._version)
         if self.placed.get(index, (None,))[0] == key:
             return self.placed[index][1]
-        placements = node.meta.get("placements", {})
+        placements = (annotation(node).placements or {})
         packed = _packed_placement(placements, self.mesh)
         if packed is not None:  # laid out rank-major on the host, so the device never holds the fused layout
             dim, ranks = packed.dim % value.dim(), _packed_ranks(placements, self.mesh)
