@@ -1,9 +1,7 @@
-"""Trace a model with torch.export into an aten graph whose parameters and buffers are placeholders.
-
-The result keeps what the passes and the runtime need and nothing of the ExportedProgram machinery:
-the GraphModule (placeholders in export's order: parameters, buffers, constants, then user inputs), what each
-placeholder is, the pytree specs of the forward's inputs and outputs, and the model's tensors by qualified name.
-"""
+"""Trace a model with torch.export into an aten graph whose parameters and buffers are placeholders. The result
+keeps what the passes and the runtime need and nothing of the ExportedProgram machinery: the GraphModule
+(placeholders in export's order: parameters, buffers, constants, then user inputs), what each placeholder is, the
+pytree specs of the forward's inputs and outputs, and the model's tensors by qualified name."""
 
 from __future__ import annotations
 
@@ -104,14 +102,11 @@ def _writes_in_place(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 
 def functionalize(program, owner: str):
-    """The program with every in-place write made explicit, when it has any.
-
-    Export's IR keeps in-place ops on intermediate values (a RoPE written as ``q[..., n:] = rotate(...)`` is a
-    ``copy_`` into a slice of q, with no user): the write is invisible to the data flow that every pass plans by, so
-    a collective placed after q, or a slice of q, would read q before the write. ``run_decompositions({})``
-    functionalizes (``copy_`` into a slice becomes ``slice_scatter``, which the attention then reads) and decomposes
-    nothing else. Graphs without in-place writes are returned as they are: functionalizing rewrites views and
-    costs seconds on large graphs."""
+    """The program with every in-place write made explicit, when it has any. Export's IR keeps in-place ops on
+    intermediate values (a RoPE written as ``q[..., n:] = rotate(...)`` is a ``copy_`` into a slice of q, with no
+    user), invisible to the data flow the passes plan by: a collective after q would read q before the write.
+    ``run_decompositions({})`` functionalizes (the ``copy_`` becomes a ``slice_scatter`` the attention reads) and
+    decomposes nothing else. Graphs without writes are returned as they are (it rewrites views, and costs seconds)."""
     if not _writes_in_place(program.graph_module.graph):
         return program
     try:
@@ -144,15 +139,11 @@ def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
 
 
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
-    """Remove what export leaves that describes the trace rather than the model:
-    - ``_assert_tensor_metadata`` checks pin the trace-time device (meta, cpu), not the one a partition runs on;
-    - ``aten.to.dtype`` to the dtype a value already has returns the value itself: the trace keeps such no-op casts
-      and shares them between blocks (H3 casts its rotary tables in every block, the first block's cast is what
-      later blocks read), which would make the first block's code differ from the others';
-    - a dropout that is off (``train=False``: eval mode) returns its input, and so does a ``clone`` of a contiguous
-      value that keeps its layout, in a graph that writes nothing in place (functionalization leaves one per
-      eval-mode dropout): a copy the model never asked for, of every activation it passes (a clone a graph returns
-      stays: the caller gets a tensor of its own)."""
+    """Remove what export leaves that describes the trace rather than the model: ``_assert_tensor_metadata`` checks
+    (they pin the trace-time device, meta or cpu); ``aten.to.dtype`` to the dtype a value has (H3 casts its rotary
+    tables so in every block, and later blocks read the first block's cast: their code would differ); eval-mode
+    dropouts, and clones that keep a contiguous value's layout in a graph without in-place writes (functionalization
+    leaves one per dropout): copies the model never asked for (a clone the graph returns stays: the caller owns it)."""
     functional = not _writes_in_place(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
