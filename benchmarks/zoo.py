@@ -18,7 +18,6 @@ import argparse
 import time
 import warnings
 from collections import Counter
-from partitioner.annotations import annotation
 
 
 def tiny_table(models: list[str]) -> list[str]:
@@ -140,6 +139,7 @@ def _copy(traced, copy_graph_module):
 def _replicated(model, planned, params: int) -> str:
     """The share of parameters every rank holds whole (no axis shards them in the planned graph), with the
     largest replicated module pattern."""
+    from partitioner.annotations import annotation
     from partitioner.placement import is_sharded
 
     ctx, gm = planned[0], planned[1]

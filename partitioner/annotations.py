@@ -1,10 +1,12 @@
 """One annotation per node: what the passes record about a value, under ``node.meta[KEY]``.
 
-Each field names the pass that writes it; every other pass only reads it. A node without an annotation reads as
-an empty one (every field None). A pass that copies a node's meta, or makes a node like another, carries the
-annotation with ``copied_meta`` / ``carry`` so that the two can be rewritten apart (the planned graph and the rank
-program share none); the dicts inside (placements, requirements) are shared, as passes replace them rather than
-mutate them once the planning passes are done.
+Each field names the pass that decides it (passes that rewrite nodes later, such as chunk_reductions or the
+training copy, give the nodes they make the same fields). A node without an annotation reads as an empty one
+(every field None). A pass that copies a node's meta takes a copy of its annotation (``copied_meta``), so that the
+two nodes' fields can be reassigned apart (the planned graph and the rank program); the dicts inside (placements,
+requirements, placed-by) stay shared, as the passes after planning reassign rather than mutate them (placed-by
+only gains axes it has not recorded). Copies made for reading only (the preflight program, the host prologue,
+Inductor's split) share the annotation.
 """
 
 from __future__ import annotations
@@ -41,12 +43,6 @@ def annotation(node: Node) -> Annotation:
     if found is None:
         found = node.meta[KEY] = Annotation()
     return found
-
-
-def carry(source: Node, target: Node, **changes) -> Annotation:
-    """``target`` gets a copy of ``source``'s annotation (with ``changes``), its own to rewrite."""
-    target.meta[KEY] = replace(annotation(source), **changes)
-    return target.meta[KEY]
 
 
 def copied_meta(node: Node) -> dict:

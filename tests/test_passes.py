@@ -352,7 +352,8 @@ def test_degree_one_is_the_identity():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_localize_parameter_shapes_and_slice_specs(rank):
-    """Parameters have per-rank shapes in meta["val"], global ones in their annotation's global_shape, and a slice spec."""
+    """Parameters have per-rank shapes in meta["val"], global ones in their annotation's global_shape, and a slice
+    spec."""
     p = part(Block(), rank=rank)
     fqns = {node: gi.target for node, gi in p.ctx.placeholder_inputs(p.graph_module).items() if gi.kind != "user"}
     model_shapes = {name: tuple(t.shape) for name, t in Block().state_dict().items()}

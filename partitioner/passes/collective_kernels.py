@@ -87,7 +87,7 @@ def _like(node: Node, mask: Node, val) -> None:
     node.meta["val"] = val
     annotation(node).placements = dict(annotation(mask).placements)
     annotation(node).required = {axis: {n: annotation(n).placements[axis] for n in node.all_input_nodes}
-                             for axis in annotation(mask).placements}
+                                 for axis in annotation(mask).placements}
 
 
 def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:

@@ -50,7 +50,7 @@ def _annotate(node: Node, like: Node, axis: str, placement, required: dict, coll
     annotation(node).placements = {**annotation(like).placements, axis: placement}
     # over every other axis the new node takes its inputs as they are
     annotation(node).required = {other: {n: annotation(n).placements[other] for n in node.all_input_nodes}
-                             for other in annotation(like).placements if other != axis}
+                                 for other in annotation(like).placements if other != axis}
     annotation(node).required[axis] = required
     for key in ("nn_module_stack", "stack_trace"):  # an error or a dump at this node names the model's line
         if key in like.meta:
