@@ -65,13 +65,12 @@ class LinearSharding:
                              "are positive numbers of columns")
         return cls(style, blocks, value.unit, widths, value.gathered)
 
-    def as_json(self) -> dict:
-        return {"style": self.style.value, "blocks": list(self.blocks) if self.blocks else None, "unit": self.unit,
-                "widths": list(self.widths) if self.widths else None, "gathered": self.gathered}
-
     def applied(self) -> dict:
         """What applying this decision takes (``widths`` and ``gathered`` are derived again): what is hashed."""
         return {"style": self.style.value, "blocks": list(self.blocks) if self.blocks else None, "unit": self.unit}
+
+    def as_json(self) -> dict:
+        return {**self.applied(), "widths": list(self.widths) if self.widths else None, "gathered": self.gathered}
 
     @classmethod
     def from_json(cls, data, where: str) -> "LinearSharding":
@@ -168,16 +167,23 @@ class SequenceKind(enum.Enum):
 
 @dataclass(frozen=True)
 class AttentionSequence:
-    """An attention's decision over one sequence axis; ``reason``: why a WHOLE one is not sharded."""
+    """An attention's decision over one sequence axis; ``reason``: why a WHOLE one is not sharded, ``about``: the
+    module (or node) a rule's refusal names, if it names one."""
     kind: SequenceKind
     reason: str = ""
+    about: str = ""
 
     @property
     def sharded(self) -> bool:
         return self.kind in (SequenceKind.ULYSSES, SequenceKind.RING, SequenceKind.QUERY_ROWS)
 
+    @property
+    def why(self) -> str:
+        """The reason as the rule gave it: naming what it is about."""
+        return f"{self.about}: {self.reason}" if self.about else self.reason
+
     def __str__(self) -> str:
-        return f"{self.kind.value}: {self.reason}" if self.reason else self.kind.value
+        return f"{self.kind.value}: {self.why}" if self.why else self.kind.value
 
 
 @dataclass(frozen=True)

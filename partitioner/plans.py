@@ -46,17 +46,13 @@ class Plan:
         an entry that is neither."""
         return {path: LinearSharding.of(entry, path) for path, entry in self.linears.items()}
 
-    def _decisions(self) -> dict:
-        """What is applied, as JSON values: what the file holds besides ``attention``, and what is hashed."""
+    def _decisions(self, linear_fields=LinearSharding.as_json) -> dict:
+        """The decisions as JSON values: what the file holds besides ``attention``; with ``LinearSharding.applied``,
+        what is hashed."""
         seeds = None if self.sequence_seeds is None else {
             axis: [seed.as_json() for seed in seeds] for axis, seeds in self.sequence_seeds.items()}
         return {"version": self.version, "mesh": self.mesh, "bounds": self.bounds, "sequence_seeds": seeds,
-                "linears": {path: decided.as_json() for path, decided in self.linear_decisions().items()}}
-
-    def _applied(self) -> dict:
-        decisions = self._decisions()
-        decisions["linears"] = {path: decided.applied() for path, decided in self.linear_decisions().items()}
-        return decisions
+                "linears": {path: linear_fields(decided) for path, decided in self.linear_decisions().items()}}
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps({**self._decisions(), "attention": self.attention}, indent=1, sort_keys=True)
@@ -68,7 +64,8 @@ class Plan:
     def fingerprint(self) -> str:
         """A digest of the decisions applied (not of ``attention``'s text, which a rewording changes, nor of what is
         derived again: a Linear's ``widths`` and ``gathered``)."""
-        return hashlib.sha256(json.dumps(self._applied(), sort_keys=True).encode()).hexdigest()[:16]
+        applied = json.dumps(self._decisions(LinearSharding.applied), sort_keys=True)
+        return hashlib.sha256(applied.encode()).hexdigest()[:16]
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":

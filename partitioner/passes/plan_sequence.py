@@ -110,7 +110,7 @@ def _unpacked(decision: Decision, node: Node) -> Decision:
 
 
 def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attention: set[Node], ctx: PassContext,
-               refused: dict[Node, str], rows: SequenceDims, own, gathered: set[Node], gather_done: bool,
+               refused: dict[Node, Unshardable], rows: SequenceDims, own, gathered: set[Node], gather_done: bool,
                packs: bool, units: dict[Node, int]):
     """One sweep (``partitioner.rules.propagate``): decisions, the seeds that failed before an attention (with why), and
     the values to gather once their own attentions are done.
@@ -160,7 +160,7 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
         if isinstance(problem, NeedsUnit):  # nor split in units
             problem = Unshardable(f"regrouped in units of {problem.unit} rows along the sharded sequence")
         if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            refused[failure.node] = str(problem)
+            refused[failure.node] = problem
         if failure.node in feeds_attention:
             # a value sharded whole along a joint sequence meets the packed parts: it gives way (sliced to them)
             whole = {s for s in failure.seeds if s in rows.joined}
@@ -257,7 +257,7 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
         seeds = (_given_seeds(gm, given, axis) if given is not None
                  else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts)
                  or _convolved_rows(gm, model_tensors))
-    refused: dict[Node, str] = {}
+    refused: dict[Node, Unshardable] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
     own = _seed_rows(rows, gm)
     gathered: set[Node] = set()
@@ -313,7 +313,7 @@ def _given_seeds(gm: GraphModule, given: tuple[SequenceSeed, ...], axis: str) ->
     return {nodes[seed.key]: seed.dim for seed in given}
 
 
-def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, str], ctx: PassContext,
+def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[Node, Unshardable], ctx: PassContext,
                        axis: str, stopped: dict[str, str]) -> None:
     """Which attentions are sequence-sharded over ``axis``, and why the others are not (``Partitioned.explain``;
     with two sequence axes each line names its axis). An attention too short or with too few heads for the degree
@@ -334,19 +334,19 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         elif getattr(decision.output, "dim", None) == 2:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
         elif node in refused:
-            found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node])
+            found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node].detail, refused[node].where)
         else:
             why = sorted(stopped[n.name] for n in ancestors([node]) if n.name in stopped)
             found[where] = AttentionSequence(SequenceKind.WHOLE, "its query, key and value reach it whole" + (
                 f" (sharding stopped at {why[0]})" if why else " (no input of it has the sequence length)"))
     for where, decided in found.items():
         if decided.kind is SequenceKind.WHOLE:
-            # (a rule's refusal names the attention's module itself: the warning names it once)
-            ctx.sequence_whole.setdefault(where, f"{axis}: {decided.reason.removeprefix(f'{where}: ')}")
+            # (the warning names the attention once: a rule's refusal about it is given without its name)
+            ctx.sequence_whole.setdefault(where, f"{axis}: {decided.reason if decided.about == where else decided.why}")
         earlier = ctx.sequence_attention[where].by_axis if where in ctx.sequence_attention else ()
         ctx.sequence_attention[where] = AttentionSequencing((*earlier, (axis, decided)))
     if attentions and axis in RING_AXES and not any(decided.sharded for decided in found.values()):
-        reasons = sorted({decided.reason or str(decided) for decided in found.values()})
+        reasons = sorted({decided.why or str(decided) for decided in found.values()})
         raise PartitionError(f"a ring of {ctx.mesh.size(axis)} shards no attention of this model: "
                              + "; ".join(reasons[:4]) + "; use a smaller ring degree (at most the shortest "
                              "sequence) or drop the ring axis")

@@ -18,6 +18,7 @@ Anything else is refused naming the key: a plan never lands on another value bec
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import torch
 from torch.fx import GraphModule, Node
@@ -125,7 +126,8 @@ def find(gm: GraphModule, keys, what: str) -> dict[ValueKey, Node]:
         raise PartitionError(f"{what} name values this trace does not have: {'; '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                              + "; plan again for this model and these example input shapes")
-    twice = [key for key in found if list(found.values()).count(found[key]) > 1 or keys.count(key) > 1]
+    landed, given = Counter(found.values()), Counter(keys)
+    twice = [key for key in found if landed[found[key]] > 1 or given[key] > 1]
     if twice:
         raise PartitionError(f"{what} find one value for several of their entries ({'; '.join(map(str, twice[:4]))}):"
                              " the plan is for another model or was edited; plan again")

@@ -113,8 +113,8 @@ def make_sequence_attention(roles, axis: str) -> Callable:
                               "in rank order, so keys and values must be packed alike")
         if q in sharded and k not in sharded and v not in sharded:
             if shape_of(q)[2] < axis_size:
-                raise Unshardable(f"{node.name}: {shape_of(q)[2]} query rows cannot be spread over a {axis} degree "
-                                  f"of {axis_size}")
+                raise Unshardable(f"{shape_of(q)[2]} query rows cannot be spread over a {axis} degree of "
+                                  f"{axis_size}", node.name)
             return _query_rows(node, placements, masks)
         if any(n in sharded for n in masks):
             raise Unshardable("a mask sharded along the sequence (Ulysses needs it whole, per head)")
@@ -125,12 +125,12 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         # Too few heads or rows for the degree: this attention is left whole (the planner records why). More
         # ranks than the heads a tp rank holds is correct but leaves ranks without heads.
         if kv_heads < axis_size:
-            raise Unshardable(f"{where}: {kv_heads} {'key/value ' if group > 1 else ''}attention heads cannot be "
-                              f"spread over a {axis} degree of {axis_size} (at most {kv_heads})")
+            raise Unshardable(f"{kv_heads} {'key/value ' if group > 1 else ''}attention heads cannot be spread over "
+                              f"a {axis} degree of {axis_size} (at most {kv_heads})", where)
         for n in (q, k):
             if n in sharded and shape_of(n)[2] < axis_size:
-                raise Unshardable(f"{where}: a sequence of {shape_of(n)[2]} rows cannot be spread over a {axis} "
-                                  f"degree of {axis_size}")
+                raise Unshardable(f"a sequence of {shape_of(n)[2]} rows cannot be spread over a {axis} degree of "
+                                  f"{axis_size}", where)
         # every rank takes whole groups of query heads with their key/value head (plain heads without GQA)
         by_heads = packed_shard(1, (heads,), group, axis_size)
         inputs = {q: by_heads, k: Shard(1), v: Shard(1)}

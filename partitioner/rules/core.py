@@ -34,7 +34,12 @@ AXIS_KINDS = ("tensor", "sequence")
 
 
 class Unshardable(Exception):
-    """A sharded value reached an op that cannot carry it."""
+    """A sharded value reached an op that cannot carry it. ``where``: the module (or node) the refusal is about,
+    when the rule names one; its text is then ``where: detail``."""
+
+    def __init__(self, detail: str, where: str = ""):
+        super().__init__(f"{where}: {detail}" if where else detail)
+        self.detail, self.where = detail, where
 
 
 @dataclass(frozen=True)
