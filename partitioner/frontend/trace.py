@@ -72,13 +72,27 @@ def argument_name(path: tuple) -> str:
 
 def bind_forward(signature: inspect.Signature, args, kwargs, owner: str, error=None) -> dict[str, Any]:
     """All forward arguments by name, defaults applied, in signature order; ``error`` (default TraceError) with a
-    clear message when they do not fit."""
+    clear message when they do not fit. A ``**kwargs`` forward (every ``transformers`` model's) takes the extra
+    names at the top level, as the call passed them, so export calls the model exactly so; values passed through a
+    ``*args`` have no name to be traced or re-bound by, and are refused."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as problem:
         raise (error or TraceError)(f"the inputs do not match {owner}.forward{signature}: {problem}") from None
     bound.apply_defaults()
-    return dict(bound.arguments)
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise (error or TraceError)(
+                    f"{owner}.forward takes *{name} and the call passes {len(value)} value(s) through it; partition "
+                    "traces a call whose every argument has a name: pass them by keyword")
+        else:
+            named[name] = value
+    return named
 
 
 def _mutated_inputs(program) -> list[str]:
@@ -99,6 +113,16 @@ def _mutated_inputs(program) -> list[str]:
 def _writes_in_place(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [node for node in graph.nodes if node.op == "call_function"
             and getattr(getattr(node.target, "_schema", None), "is_mutable", False)]
+
+
+def drop_in_place_detaches(graph: torch.fx.Graph) -> None:
+    """``detach_`` writes no data: in a graph traced without autograd it is its input. transformers' key/value
+    cache starts each layer from a fresh constant it detaches in place; left in, it would count as a write (and
+    functionalizing it trips torch's check of such constants)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach_.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
 
 
 def functionalize(program, owner: str):
@@ -138,6 +162,27 @@ def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
     return False
 
 
+def _drop_legacy_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, functional: bool) -> None:
+    """``torch.cat`` skips a 1-d operand with no elements whatever the others' rank (transformers' key/value cache
+    starts each layer as ``torch.tensor([])`` and concatenates the layer's keys onto it): the operand is removed, and
+    a concatenation of one value is that value (a copy only where the graph returns it or writes in place)."""
+    def legacy_empty(operand) -> bool:
+        value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+    operands = list(cat.args[0])
+    kept = [operand for operand in operands if not legacy_empty(operand)]
+    if len(kept) == len(operands) or not kept or cat.meta["val"].dim() == 1:
+        return
+    if len(kept) == 1 and functional and all(user.op != "output" for user in cat.users):
+        cat.replace_all_uses_with(kept[0])
+        gm.graph.erase_node(cat)
+    else:
+        cat.args = (kept, *cat.args[1:])
+    for operand in operands:
+        if operand not in kept and isinstance(operand, torch.fx.Node) and not operand.users:
+            _erase_unread(gm, operand)
+
+
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     """Remove what export leaves that describes the trace rather than the model: ``_assert_tensor_metadata`` checks
     (they pin the trace-time device, meta or cpu); ``aten.to.dtype`` to the dtype a value has (H3 casts its rotary
@@ -157,6 +202,8 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
               and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].dtype == node.args[1]):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten.cat.default:
+            _drop_legacy_empty_operands(gm, node, functional)
     gm.graph.lint()
     gm.recompile()
 
@@ -344,8 +391,6 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     named = bind_forward(signature, tuple(args), kwargs, owner)
     if "return_dict" in named:
         named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
-        raise TraceError(f"{owner}.forward takes *args/**kwargs; partition needs named parameters")
     leaves = pytree.tree_flatten_with_path(((), named))[0]
     names = [argument_name(path[1:]) for path, _ in leaves]
     values = {name: leaf for name, (_, leaf) in zip(names, leaves) if shadowable(leaf)}  # before meta below
@@ -367,6 +412,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     specialized = {names.index(name): values[name].detach().cpu().clone() for name in read_names}
     guards = Guards(shadow.tape, shadow.guards, {name: i for i, name in enumerate(names)}) if shadow.guards else None
 
+    drop_in_place_detaches(program.graph_module.graph)
     gs = program.graph_signature
     mutated = [spec.target for spec in gs.output_specs if spec.kind != OutputKind.USER_OUTPUT]
     mutated += _mutated_inputs(program)

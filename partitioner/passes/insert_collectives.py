@@ -32,6 +32,8 @@ from ..kinds import CollectiveKind
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
+from ..rules.pointwise import METADATA_ARGUMENTS
+from ..source import source_line
 from ..runtime import collectives
 from . import device_layout
 from .context import PassContext
@@ -121,7 +123,16 @@ def _replace_with_sum(producer: Node, users: list[Node], summed: Node, axis: str
     for user in users:
         user.replace_input_with(producer, result)
         rekey(user, producer, result)
+        if _reads_only_metadata(user, result):  # (it took the partial sum as it was: it reads the sum alike)
+            annotation(user).required[axis][result] = placement
     return result
+
+
+def _reads_only_metadata(user: Node, value: Node) -> bool:
+    """``user`` reads ``value`` only for its dtype, device or shape (``type_as``'s second argument)."""
+    positions = METADATA_ARGUMENTS.get(user.target, ())
+    return bool(positions) and value not in user.kwargs.values() and \
+        all(index in positions for index, argument in enumerate(user.args) if argument is value)
 
 
 def _issued(producer: Node, start, start_args: tuple, wait, wait_args: tuple, axis: str, current, placement,
@@ -281,7 +292,8 @@ def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext
         return _all_gather(producer, current, axis, ctx)
     if is_sharded(current) and is_sharded(required):
         return _all_to_all(producer, current, required, axis, ctx, consumer)
-    raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}")
+    raise PartitionError(f"cannot redistribute {producer.name} from {current} to {required} over {axis!r}, as "
+                         f"{consumer.name} ({source_line(consumer) or consumer.target}) needs it")
 
 
 def _inner_splits(producer: Node, required, axis: str, ctx: PassContext) -> list[tuple[str, object]]:

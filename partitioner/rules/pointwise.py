@@ -17,6 +17,9 @@ SAME_AS_INPUT = (aten.zeros_like.default, aten.ones_like.default, aten.empty_lik
                  aten.fill.Tensor)  # fill: self's shape, every element one (replicated) value
 # Take only dtype and device from their input: a new, whole tensor.
 CREATION_FROM = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+# Arguments read for their dtype, device or shape only (argument indices): whatever placement arrives serves, so a
+# partial sum reduced for its other readers is read reduced here too (insert_collectives).
+METADATA_ARGUMENTS = {aten.type_as.default: (1,), **{op: (0,) for op in CREATION_FROM}}
 # Ops that make a tensor of a size they name (argument index), whatever their inputs hold: a rank can make just
 # its part of one (``localize`` names the local size).
 SIZE_ARGUMENT = {**{op: 1 for op in CREATION_FROM}, aten.zeros.default: 0, aten.ones.default: 0,

@@ -35,6 +35,7 @@ _READS = frozenset({
 })
 _DENOISER = re.compile(r"(transformer|unet|denoiser)(_\w+)?")
 _VAE = re.compile(r"(\w+_)?vae")
+_TEXT_ENCODER = re.compile(r"text_encoder(_\w+)?")
 
 
 class LazyPartition(torch.nn.Module):
@@ -295,6 +296,12 @@ def denoisers(pipe) -> list[str]:
                                                                             torch.nn.Module)]
 
 
+def text_encoders(pipe) -> list[str]:
+    """The pipeline's text encoders: ``text_encoder``, ``text_encoder_2``, ... that hold a module."""
+    return [name for name in _components(pipe) if _TEXT_ENCODER.fullmatch(name)
+            and isinstance(getattr(pipe, name, None), torch.nn.Module)]
+
+
 def autoencoders(pipe) -> list[str]:
     """The pipeline's VAE components: ``vae``, and ``audio_vae`` and the like (H3 decodes video and audio)."""
     return [name for name in _components(pipe) if _VAE.fullmatch(name)
@@ -307,7 +314,7 @@ def _components(pipe) -> list[str]:
 
 
 def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | None = None, checkpoint=None,
-                vae: bool = True, **options):
+                vae: bool = True, text_encoder: bool = False, **options):
     """Swap every denoiser of ``pipe`` (a ``DiffusionPipeline``, a ``ModularPipeline`` or any object holding the
     modules as attributes) for a ``LazyPartition`` over ``mesh``, and return the pipeline.
 
@@ -317,11 +324,15 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
     (``plan``, ``timeout``, ``buckets``, ...) and to ``LazyPartition`` (``backend``, ``compile_options``).
     ``vae``: also partition the decode and encode of ``pipe.vae`` (and ``audio_vae`` and the like) over every rank
     of the mesh, rows split along height (``runtime.vae``; on a DeviceMesh); ``False`` leaves them whole.
+    ``text_encoder``: also partition every ``text_encoder*`` component (T5, CLIP, Llama, Qwen2.5-VL, Gemma ...) over
+    the same mesh, as the denoisers are (they run once per prompt: whole, each rank holds all their weights).
 
     Every rank runs the pipeline with the same inputs (its own random state is not shared: seed every rank alike).
     The pipeline's ``config`` keeps naming the models' classes; ``save_pretrained`` saves the pipeline while its
     models are still whole (before the first call) and is refused after, naming the component."""
     names = [component] if isinstance(component, str) else list(component) if component is not None else denoisers(pipe)
+    if text_encoder:
+        names += [name for name in text_encoders(pipe) if name not in names]
     owner = type(pipe).__name__
     if not names:
         modules = [name for name, value in (pipe.components.items() if isinstance(getattr(pipe, "components", None),

@@ -1,0 +1,81 @@
+"""Text encoders as diffusers pipelines carry them (``transformers`` models: ``partitioner.testing.encoders``),
+partitioned with no per-model code and exact on every rank against the unpartitioned encoder, one per defect that
+kept them from starting (tolerance 1e-5 of the output's magnitude, float32 sums reordered, as test_zoo):
+
+- every ``transformers`` forward ends in ``**kwargs``: a call that names its arguments traces (T5, Flux's and SD3's);
+- a decoder returns its key/value cache unless asked not to: the cache is returned, exact (Llama, HunyuanVideo's);
+- Gemma's RMSNorm casts back with ``output.type_as(x)`` where x is a partial sum under TP: ``type_as`` reads only
+  x's dtype, so it takes x as its other readers have it reduced (it used to require the partial sum back: "cannot
+  redistribute ... from R to P(sum)");
+- transformers' cache starts each layer as ``torch.tensor([])`` concatenated onto the keys (Qwen3, Z-Image's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from partitioner.errors import TraceError
+from partitioner.frontend.trace import bind_forward
+from partitioner.testing import RankPool
+from partitioner.testing.encoders import partition_case
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with RankPool(2) as two, RankPool(4) as four:
+        yield {2: two, 4: four}
+
+
+CASES = [("t5", (2,), ("tp",)), ("llama", (2,), ("ulysses",)), ("gemma2", (2,), ("tp",)),
+         ("qwen3", (2, 2), ("tp", "ulysses"))]
+
+
+@pytest.mark.parametrize("name,shape,names", CASES, ids=[f"{c[0]}-{'x'.join(c[2])}" for c in CASES])
+def test_text_encoder_is_exact_on_every_rank(pools, name, shape, names):
+    results = pools[math.prod(shape)].run(partition_case, name, shape, names)
+    for rank, result in enumerate(results):
+        assert result["status"] == "exact", (rank, result)
+    first = results[0]
+    if "tp" in names:
+        assert first["collectives"].get("all_reduce:tp", 0) > 0, first
+    if "ulysses" in names:  # every self-attention runs on a head shard
+        assert first["attention_sharded"] == first["attentions"] == 2, first
+    if name in ("llama", "qwen3"):  # hidden states of every layer and the key/value cache of both layers
+        assert "DynamicCache" in first["output_types"] and first["tensors"] > 4, first
+
+
+def test_a_kwargs_forward_binds_named_arguments_and_refuses_positional_extras():
+    def forward(input_ids, attention_mask=None, *args, **kwargs):
+        del input_ids, attention_mask, args, kwargs
+    signature = inspect.signature(forward)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    named = bind_forward(signature, (ids,), {"output_hidden_states": True}, "Encoder")
+    assert list(named) == ["input_ids", "attention_mask", "output_hidden_states"]
+    with pytest.raises(TraceError, match=r"Encoder.forward takes \*args and the call passes 1 value"):
+        bind_forward(signature, (ids, None, 3), {}, "Encoder")
+
+
+def _flux_pipeline_with_text_encoders(rank, world):
+    import partitioner
+    from torch.distributed.device_mesh import init_device_mesh
+    from partitioner.testing.pipelines import run, tiny_flux_pipeline
+
+    reference = tiny_flux_pipeline()
+    pipe = partitioner.parallelize(tiny_flux_pipeline(), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+                                   text_encoder=True, vae=False)
+    (steps, output), (expected_steps, expected) = run(pipe, "flux"), run(reference, "flux")
+    errors = [(a - b).abs().max().item() for a, b in zip(steps + [output], expected_steps + [expected])]
+    return errors, {name: dict(getattr(pipe, name).partitioned.collective_counts())
+                    for name in ("transformer", "text_encoder", "text_encoder_2")}
+
+
+def test_parallelize_partitions_the_pipelines_text_encoders(pools):
+    """Flux's CLIP and T5 encoders inside ``parallelize(pipe, mesh, text_encoder=True)``: each a partition of its
+    own over the mesh (all_reduces over tp), the pipeline's steps and image as the unpartitioned pipeline's."""
+    for rank, (errors, collectives) in enumerate(pools[2].run(_flux_pipeline_with_text_encoders)):
+        assert max(errors) <= 1e-4, (rank, errors)
+        assert all(counts.get(("all_reduce", "tp"), 0) > 0 for counts in collectives.values()), collectives
