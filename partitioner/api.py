@@ -178,10 +178,18 @@ def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bou
     group) and axis sizes alike plan the rank programs a mesh of those sizes runs; ``programs="global"`` (axis
     sizes) XLA's global program, exactly as ``partition`` does. No process group is used or created, nothing is
     compared between ranks, and no weights are needed (a meta model plans as well)."""
-    spec, buckets = as_mesh_spec(mesh, rank, programs), parse_buckets(buckets)
-    with method_as_forward(model, method):
-        ctx = trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
-            traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
-            overlap=overlap)[0])
+    ctx = planned(model, mesh, example_inputs, plan=plan, bounds=bounds, buckets=buckets, overlap=overlap, rank=rank,
+                  dump_dir=dump_dir, method=method, programs=programs)
     warn_whole_attentions(ctx)
     return Plan.of(ctx)
+
+
+def planned(model, mesh, example_inputs, *, plan=None, bounds=None, buckets=None, overlap=True, rank=0,
+            dump_dir=None, method="forward", programs="rank"):
+    """The planning passes' context for ``plan(...)``'s arguments: the typed decisions ``Plan`` records, and what
+    it leaves out (``planning.coverage`` reads which attentions and Linears are split, and why not)."""
+    spec, buckets = as_mesh_spec(mesh, rank, programs), parse_buckets(buckets)
+    with method_as_forward(model, method):
+        return trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
+            traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,
+            overlap=overlap)[0])

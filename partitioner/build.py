@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import backends
-from .errors import DataDependentNumber, InputError, PartitionError
+from .errors import DataDependentNumber, InputError, PartitionError, TraceError
 from .frontend.padding import parse_buckets
 from .frontend.randomness import refuse_randomness
 from .frontend.trace import Traced, copy_graph_module, trace
@@ -47,11 +47,16 @@ def trace_and_partition(model: torch.nn.Module, example_inputs, partition_with, 
         traced_s = time.perf_counter() - start
         try:
             partitioned = partition_with(traced)
-        except DataDependentNumber:
+        except DataDependentNumber as first:
             if traced.values_specialized:
                 raise
             start = time.perf_counter()
-            retraced = trace(model, example_inputs, specialize_values=True)
+            try:
+                retraced = trace(model, example_inputs, specialize_values=True)
+            except TraceError as again:  # the first refusal says what the model does; the retrace only failed
+                why = (str(again).strip().splitlines() or [""])[0]
+                raise DataDependentNumber(f"{first}\n(traced again specialised on its inputs' values: {why})") \
+                    from again
             traced_s += time.perf_counter() - start
             if not retraced.values and retraced.guards is None:  # no input whose values it reads
                 raise

@@ -1,9 +1,9 @@
-"""The model zoo: 25 diffusers transformers (tiny, random: ``partitioner.testing.zoo``), each partitioned with no
+"""The model zoo: 26 diffusers transformers (tiny, random: ``partitioner.testing.zoo``), each partitioned with no
 per-model code in TP=2, Ulysses=2 and TP=2 x Ulysses=2, exact on every rank against the unpartitioned model or
 refused with a documented reason (below). Two gloo pools (2 and 4 ranks) serve every case, so the zoo pays process
 start-up twice. Tolerance 1e-5 relative to the output's magnitude, float32 with sums reordered (test_tp_numerics).
 
-The Ulysses modes run at odd lengths (``ODD``: 7 text rows, parts with different remainders over the degree, as
+The Ulysses modes run at odd lengths (``zoo.odd_sizes``: 7 text rows, parts with different remainders over the degree, as
 pipelines pass them), and every attention of the model must run sequence-sharded (``SEQUENCE_SHARDED`` pins how
 many there are), so a rule change that silently stops sharding one fails here.
 """
@@ -15,7 +15,7 @@ import math
 import pytest
 
 from partitioner.testing import RankPool
-from partitioner.testing.zoo import ZOO
+from partitioner.testing.zoo import ZOO, odd_sizes
 from partitioner.testing.zoo_check import MODES, partition_case
 
 # Deliberate limits: the model's own code does what no static partition can serve.
@@ -24,6 +24,8 @@ from partitioner.testing.zoo_check import MODES, partition_case
 REFUSED = {
     # mixture-of-experts routing on activations through `.cpu().numpy()` (export refuses it)
     "hidream": ("TraceError", "transformer_hidream_image.py:389"),
+    # per-expert row counts read with .item() from a top-k over activations: no host prologue can compute them
+    "nucleus_moe": ("DataDependentNumber", "transformer_nucleusmoe_image.py:498"),
 }
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
 # (H3's text refiner on its own text rows, gathered once after it). Sana's self-attention is linear attention (not
@@ -34,9 +36,6 @@ SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigm
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
                     "hunyuan_video": 5, "sana": 2, "lumina2": 4, "mochi": 2, "chroma": 4, "bria": 4, "skyreels_v2": 4,
                     "chronoedit": 4, "wan_vace": 8, "kandinsky5": 5, "easyanimate": 2, "hunyuan_video15": 3}
-# odd lengths for the sequence-parallel modes: 7 text rows (and H3's 5 text, 15 video, 5 audio rows; ChronoEdit
-# takes the last 512 rows as text, as its pipeline pads them, so its odd part is 7 image rows)
-ODD = {"minimax_h3": dict(text=5, video=15, audio=5), "chronoedit": dict(text=512, pad=505, image_rows=7)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def pools():
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_model_is_exact_or_refused_for_a_documented_reason(pools, name, mode):
     shape, names = MODES[mode]
-    sizes = ODD.get(name, dict(text=7)) if "ulysses" in names else None
+    sizes = odd_sizes(name) if "ulysses" in names else None
     results = pools[math.prod(shape)].run(partition_case, name, shape, names, sizes)
     if name in REFUSED:
         error_type, where = REFUSED[name]

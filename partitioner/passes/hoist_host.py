@@ -132,7 +132,8 @@ def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple[Graph, list[int], list[Node]]:
+def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node],
+                    sources: list[Node]) -> tuple[Graph, list[int], list[Node]]:
     """The host nodes, in order, over the forward arguments they read; returns the graph, those arguments' indices,
     and the host values the device reads (the transfers)."""
     prologue, env, inputs = Graph(), {}, []
@@ -147,6 +148,16 @@ def _build_prologue(gm: GraphModule, ctx: PassContext, host: set[Node]) -> tuple
         inputs.append(graph_input.target)
     ordered = [n for n in gm.graph.nodes if n in host]
     for node in ordered:
+        computed = [n for n in node.all_input_nodes if n not in env]
+        if computed:  # (a router's top-k over activations: its per-expert counts size what follows)
+            made = next((n for n in ordered if n in sources), node)
+            raise DataDependentNumber(
+                f"{made.name} ({made.target}; {source_line(made)}) makes a data-dependent size, and the host code "
+                f"around it reads {computed[0].name}, a value the device computes ({source_line(computed[0])}), at "
+                f"{node.name} ({source_line(node)}); the host prologue takes only the forward's arguments. Sizes "
+                "that depend on activations (a mixture-of-experts "
+                "router's per-expert counts, capacity-limited dispatch) cannot be hoisted; give the model a "
+                "static-size form (dense dispatch: every expert over every row, masked by its routing weight)")
         env[node] = prologue.node_copy(node, lambda n: env[n])
         device_users = [u.name for u in node.users if u not in host]
         if device_users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
@@ -240,7 +251,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for source in sources:
         for symbol in _unbacked(source.meta["val"]):
             source_of.setdefault(str(symbol), source)
-    prologue, prologue_inputs, outgoing = _build_prologue(gm, ctx, host)
+    prologue, prologue_inputs, outgoing = _build_prologue(gm, ctx, host, sources)
     transfers = _add_transfers(gm, ctx, host, outgoing, source_of)
     trims = _output_trims(gm)
     ctx.host = HostProgram(GraphModule(gm, prologue, class_name="HostPrologue"), prologue_inputs, transfers,

@@ -28,7 +28,7 @@ from ..frontend.pipeline_inputs import (allegro_inputs, auraflow_inputs, bria_in
                          ltx_video_inputs, lumina2_inputs, minimax_h3_inputs, mochi_inputs, pixart_inputs,
                          qwen_image_inputs, sana_inputs, sd3_inputs, wan_inputs, wan_vace_inputs)
 
-__all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs"]
+__all__ = ["PIPELINE_SIZES", "ZOO", "ZooModel", "build", "config", "inputs", "odd_sizes"]
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,16 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         notes=("eager ok; export refuses a Python branch on whether image_embeds (float) is all zeros: traced for "
                "the example's branch, a guard (value_guards); text rows of three encoders reordered by their masks "
                "(valid first) before a joint attention: traced for the masks. full: the class defaults.")),
+    ZooModel(
+        "nucleus_moe", "NucleusMoEImageTransformer2DModel",
+        # five blocks: the dense strategy keeps the first three and the last dense, so one block routes to experts
+        tiny=dict(patch_size=2, in_channels=16, num_layers=5, attention_head_dim=16, num_attention_heads=4,
+                  joint_attention_dim=32, axes_dims_rope=(4, 6, 6), num_experts=4, moe_intermediate_dim=32,
+                  capacity_factors=2.0),
+        full=dict(),  # the class defaults
+        make_inputs=qwen_image_inputs,  # its pipeline builds Qwen-Image's inputs
+        notes=("eager ok; its mixture-of-experts layer runs each expert on its routed rows, counted per expert with "
+               ".item() from the router's top-k over activations: refused by name (DataDependentNumber).")),
 ]}
 
 
@@ -324,3 +334,14 @@ def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") 
 def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
     """(args, kwargs) for the tiny ``build(name)``, on the CPU; ``sizes`` as ``ZOO[name].make_inputs`` names them."""
     return ZOO[name].make_inputs(config(name), seed, **sizes)
+
+
+# odd lengths for the sequence-parallel layouts: 7 text rows (and H3's 5 text, 15 video, 5 audio rows; ChronoEdit
+# takes the last 512 rows as text, as its pipeline pads them, so its odd part is 7 image rows)
+_ODD = {"minimax_h3": dict(text=5, video=15, audio=5), "chronoedit": dict(text=512, pad=505, image_rows=7)}
+
+
+def odd_sizes(name: str) -> dict:
+    """``inputs(name, **odd_sizes(name))``: parts of lengths with different remainders over 2 ranks, as pipelines
+    pass them (the zoo's defaults are even)."""
+    return dict(_ODD.get(name, dict(text=7)))
