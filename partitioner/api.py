@@ -21,6 +21,7 @@ from .build import build_agreed, check_offline, decide, partition_traced, trace_
 from .partitioned import Partitioned
 from .passes.context import Overlap
 from .passes.plan_sequence import warn_whole_attentions
+from .passes.plan_sharding import warn_unsplit_linears
 from .plans import Plan
 from .runtime.rank_groups import DEFAULT_TIMEOUT, bounded_groups
 from .runtime.fingerprints import check_fingerprint, weights_digest
@@ -108,6 +109,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     partitioned.method = method
     partitioned.guard.fingerprint = input_fingerprint
     warn_whole_attentions(partitioned.ctx)
+    warn_unsplit_linears(partitioned.ctx)
     partitioned.source = weakref.ref(model)
     requires_grad = [p.requires_grad for p in model.parameters()]
     partitioned.trainable = marked_to_train(requires_grad, model.training)
@@ -181,6 +183,7 @@ def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bou
     ctx = planned(model, mesh, example_inputs, plan=plan, bounds=bounds, buckets=buckets, overlap=overlap, rank=rank,
                   dump_dir=dump_dir, method=method, programs=programs)
     warn_whole_attentions(ctx)
+    warn_unsplit_linears(ctx)
     return Plan.of(ctx)
 
 

@@ -7,7 +7,9 @@ AdaLN modulation from one timestep or one per row (a timestep per frame), GELU o
 heads, a control input adding hints into the block, text given as a list of tensors and outputs as lists, Python
 branches on a float input (a guard) or an integer one (traced for its values), text rows reordered by their mask
 before the joint attention, a causal or block-causal (by frame) mask over the joint rows, and a second modality
-(audio rows) the image rows attend to. Four gloo ranks stay alive across examples (``RankPool``).
+(audio rows) the image rows attend to, the attention written out by hand (scale, soft cap, mask, softmax) or as
+``flex_attention`` (left whole, by name), and a tensor taken through ``**kwargs``. Four gloo ranks stay alive
+across examples (``RankPool``).
 Tolerance: float32 with sums reordered by sharding, 1e-5 relative to the output's magnitude (test_tp_numerics).
 """
 
@@ -21,6 +23,8 @@ import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torch.nn.attention.flex_attention import flex_attention
+
 from partitioner import PartitionerError, partition
 from partitioner.testing import RankPool
 
@@ -29,11 +33,12 @@ MESHES = {"tp4": ((4,), ("tp",)), "ulysses4": ((4,), ("ulysses",)), "tp2xulysses
 
 class TinyDiT(nn.Module):
     def __init__(self, heads, head_dim, qk_norm, rope, mlp, text, kv_heads=None, control=False, branch="none",
-                 reorder=False, causal="none", cross=False, listed_out=False):
+                 reorder=False, causal="none", cross=False, listed_out=False, attention="sdpa"):
         super().__init__()
         dim = heads * head_dim
         self.heads, self.qk_norm, self.rope, self.mlp, self.text = heads, qk_norm, rope, mlp, text
         self.kv_heads, self.branch, self.reorder = kv_heads or heads, branch, reorder
+        self.attention = attention
         self.causal, self.listed_out = causal, listed_out
         self.cross = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4)) if cross else None  # q, k, v, out
         self.modulation = nn.Linear(8, 2 * dim)
@@ -48,7 +53,9 @@ class TinyDiT(nn.Module):
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(2 * dim if mlp == "swiglu" else 4 * dim, dim)
 
-    def forward(self, x, cond, angle, text=None, mask=None, control=None, audio=None):
+    def forward(self, x, cond, angle, text=None, mask=None, control=None, audio=None, **kwargs):
+        if "offset" in kwargs:  # a tensor the call names, taken by **kwargs (as every transformers forward)
+            x = x + kwargs["offset"]
         modulation = self.modulation(cond)  # one timestep, or one per row (a timestep per frame)
         shift, scale = (modulation if cond.dim() == 3 else modulation.unsqueeze(1)).chunk(2, -1)
         if self.branch == "float" and bool(cond.mean() > 0):  # a Python branch on a float input: a guard
@@ -83,7 +90,7 @@ class TinyDiT(nn.Module):
             image = torch.arange(h.shape[1] - self.text) // 2 + 1
             frames = torch.cat([torch.zeros(self.text, dtype=torch.long), image])
             masked = dict(attn_mask=frames[:, None] >= frames[None, :])
-        out = self.o(F.scaled_dot_product_attention(q, k, v, **masked).transpose(1, 2).flatten(2))
+        out = self.o(self._attend(q, k, v, masked).transpose(1, 2).flatten(2))
         x = x + out[:, self.text:]
         if audio is not None:  # a second modality: the image rows attend to the audio rows
             heads = lambda t: t.unflatten(-1, (self.heads, -1)).transpose(1, 2)  # noqa: E731
@@ -100,6 +107,22 @@ class TinyDiT(nn.Module):
         return (x, [x.mean(-1), x.amax(-1)]) if self.listed_out else x  # outputs as a list too
 
 
+    def _attend(self, q, k, v, masked: dict):
+        """SDPA; written out by hand (a scale, a soft cap, the mask, softmax, as transformers' eager attention);
+        or flex_attention (counted, left whole)."""
+        if self.attention == "flex" and not masked:
+            return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + 0.1 * h)
+        if self.attention != "written":
+            return F.scaled_dot_product_attention(q, k, v, **masked)
+        scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 4.0) * 4.0
+        rows = q.shape[2]
+        allowed = torch.ones(rows, rows, dtype=torch.bool).tril() if masked.get("is_causal") else \
+            masked.get("attn_mask")
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
 def build(config: dict):
     torch.manual_seed(config["seed"])
     heads, text = config["heads"], config["text"]
@@ -107,7 +130,8 @@ def build(config: dict):
     model = TinyDiT(heads, config["head_dim"], config["qk_norm"], config["rope"], config["mlp"], text,
                     kv_heads=kv_heads, control=config.get("control", False), branch=config.get("branch", "none"),
                     reorder=config.get("reorder", False) and text > 0, causal=config.get("causal", "none"),
-                    cross=config.get("cross", False), listed_out=config.get("listed", False)).eval()
+                    cross=config.get("cross", False), listed_out=config.get("listed", False),
+                    attention=config.get("attention", "sdpa")).eval()
     g = torch.Generator().manual_seed(config["seed"])
     dim = heads * config["head_dim"]
     rows = config["rows"]
@@ -126,6 +150,8 @@ def build(config: dict):
         inputs["control"] = torch.randn(1, rows, dim, generator=g)
     if config.get("cross"):
         inputs["audio"] = torch.randn(1, config["seed"] + 3, dim, generator=g)
+    if config.get("kwargs"):
+        inputs["offset"] = torch.randn(1, rows, dim, generator=g)
     return model, inputs
 
 
@@ -159,7 +185,8 @@ configs = st.fixed_dictionaries(dict(
     qk_norm=st.sampled_from(["none", "head", "full"]), rope=st.booleans(), mlp=st.sampled_from(["gelu", "swiglu"]),
     mesh=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 3), grouped=st.booleans(), control=st.booleans(),
     branch=st.sampled_from(["none", "int", "float"]), reorder=st.booleans(), per_frame=st.booleans(),
-    listed=st.booleans(), causal=st.sampled_from(["none", "causal", "block"]), cross=st.booleans()))
+    listed=st.booleans(), causal=st.sampled_from(["none", "causal", "block"]), cross=st.booleans(),
+    attention=st.sampled_from(["sdpa", "written", "flex"]), kwargs=st.booleans()))
 
 
 def _check(outcomes: list, config: dict) -> None:
@@ -176,7 +203,7 @@ def test_random_dits_are_exact_or_refused_on_every_rank(ranks, config):
     _check(ranks.run(_case, config), config)
 
 
-@pytest.mark.parametrize("features", ["plain", "every feature", "a mask reorder alone"])
+@pytest.mark.parametrize("features", ["plain", "every feature", "a mask reorder alone", "written attention"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh, features):
     """The property must not pass by refusing: 4 heads and 8 rows divide every degree here, with every feature the
@@ -185,9 +212,11 @@ def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh, features):
     config = dict(heads=4, head_dim=8, rows=8, text=2, qk_norm="head", rope=True, mlp="swiglu", mesh=mesh, seed=1)
     if features == "a mask reorder alone":  # (the host prologue cannot take it: traced for the mask's values)
         config.update(reorder=True)
+    elif features == "written attention":  # by hand, with a soft cap and a causal mask, grouped heads repeated
+        config.update(attention="written", causal="causal", grouped=True)
     elif features != "plain":
         config.update(grouped=True, control=True, branch="float", reorder=True, per_frame=True, listed=True,
-                      cross=True)
+                      cross=True, kwargs=True)
     outcomes = ranks.run(_case, config)
     _check(outcomes, config)
     assert all(outcome[0] == "exact" and outcome[2] for outcome in outcomes), outcomes

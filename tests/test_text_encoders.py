@@ -7,7 +7,10 @@ kept them from starting (tolerance 1e-5 of the output's magnitude, float32 sums 
 - Gemma's RMSNorm casts back with ``output.type_as(x)`` where x is a partial sum under TP: ``type_as`` reads only
   x's dtype, so it takes x as its other readers have it reduced (it used to require the partial sum back: "cannot
   redistribute ... from R to P(sum)");
-- transformers' cache starts each layer as ``torch.tensor([])`` concatenated onto the keys (Qwen3, Z-Image's).
+- transformers' cache starts each layer as ``torch.tensor([])`` concatenated onto the keys (Qwen3, Z-Image's);
+- Gemma 2 writes its attention out (``softmax(tanh(q @ k^T * s / c) * c + mask) @ v``, no SDPA: a soft cap): it is
+  recognised as attention (``rules/written_attention.py``) and its rows split, under Ulysses on head shards, under
+  a ring on each rank's query rows (it used to split nothing: "ulysses=2 splits no value of this model").
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def pools():
 
 
 CASES = [("t5", (2,), ("tp",)), ("llama", (2,), ("ulysses",)), ("gemma2", (2,), ("tp",)),
-         ("qwen3", (2, 2), ("tp", "ulysses"))]
+         ("qwen3", (2, 2), ("tp", "ulysses")), ("gemma2", (2,), ("ulysses",)), ("gemma2", (2,), ("ring",))]
 
 
 @pytest.mark.parametrize("name,shape,names", CASES, ids=[f"{c[0]}-{'x'.join(c[2])}" for c in CASES])
@@ -42,8 +45,10 @@ def test_text_encoder_is_exact_on_every_rank(pools, name, shape, names):
     first = results[0]
     if "tp" in names:
         assert first["collectives"].get("all_reduce:tp", 0) > 0, first
-    if "ulysses" in names:  # every self-attention runs on a head shard
+    if {"ulysses", "ring"} & set(names):  # every self-attention's rows split (Gemma 2's written out by hand)
         assert first["attention_sharded"] == first["attentions"] == 2, first
+    if "ulysses" in names:  # on a head shard: q, k^T, v and the output exchanged
+        assert first["collectives"].get("all_to_all:ulysses") == 8, first
     if name in ("llama", "qwen3"):  # hidden states of every layer and the key/value cache of both layers
         assert "DynamicCache" in first["output_types"] and first["tensors"] > 4, first
 

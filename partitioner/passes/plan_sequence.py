@@ -45,6 +45,8 @@ from ..rules.conv import GROUPS_ARGUMENT
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.propagate import sweep
 from ..rules.sequence_dims import SequenceDims, find_sequence_dims
+from ..rules.written_attention import attention_operands, written_attention_from_scores
+from .annotate_heads import module_path
 from . import value_keys
 from .context import PassContext
 from ..annotations import annotation
@@ -159,8 +161,9 @@ def _propagate(gm: GraphModule, axis: str, seeds: dict[Node, int], feeds_attenti
             problem = Unshardable(f"split into {list(problem.blocks)} rows along the sharded sequence")
         if isinstance(problem, NeedsUnit):  # nor split in units
             problem = Unshardable(f"regrouped in units of {problem.unit} rows along the sharded sequence")
-        if failure.node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            refused[failure.node] = problem
+        written = written_attention_from_scores(failure.node)
+        if attention_operands(failure.node) is not None or written is not None:  # (an attention refused itself)
+            refused[written.output if written is not None else failure.node] = problem
         if failure.node in feeds_attention:
             # a value sharded whole along a joint sequence meets the packed parts: it gives way (sliced to them)
             whole = {s for s in failure.seeds if s in rows.joined}
@@ -241,7 +244,7 @@ def warn_whole_attentions(ctx: PassContext, stacklevel: int = 3) -> None:
 def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) -> None:
     """Plan one sequence axis. A joint sequence is packed from its parts only on the first axis that shards:
     packed blocks name global sizes, which an inner axis (Ulysses inside a ring shard) does not split."""
-    attentions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    attentions = [n for n in gm.graph.nodes if attention_operands(n) is not None]
     seeds: dict[Node, int] = {}
     feeds_attention = ancestors(attentions) | set(attentions)
     model_tensors = {node for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
@@ -323,13 +326,14 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
     found: dict[str, AttentionSequence] = {}
     for node in attentions:
         info = annotation(node).heads
-        where = info.module if info is not None else node.name
+        where = info.module if info is not None else module_path(node) or node.name
         decision = decisions[node]
-        if shape_of(node.args[0])[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
+        q, k, _ = attention_operands(node)
+        if (shape_of(q) or (1, 1))[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
             found[where] = AttentionSequence(SequenceKind.SINGLE_QUERY)
         elif decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             found[where] = AttentionSequence(SequenceKind.ULYSSES)
-        elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(node.args[1], R)):
+        elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(k, R)):
             found[where] = AttentionSequence(SequenceKind.RING)
         elif getattr(decision.output, "dim", None) == 2:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)

@@ -304,3 +304,19 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
         for producer in annotation(node).required[AXIS]:
             if producer not in node.all_input_nodes:
                 raise InvariantError(f"{node.name} requires a placement of {producer.name}, which it does not use")
+
+
+def warn_unsplit_linears(ctx: PassContext, stacklevel: int = 3) -> None:
+    """One ``PartitionWarning`` when the tensor axis splits none of the model's Linears: every rank holds and runs
+    them all, which is exact and no parallelism (``partition`` and ``plan`` call this)."""
+    import warnings
+
+    from ..errors import PartitionWarning
+
+    if AXIS not in ctx.mesh.axis_names or ctx.mesh.size(AXIS) <= 1 or not ctx.linear_styles:
+        return
+    if all(decided.style is Style.REPLICATE for decided in ctx.linear_styles.values()):
+        first = next(iter(ctx.linear_styles))
+        warnings.warn(f"{AXIS}={ctx.mesh.size(AXIS)} splits none of the {len(ctx.linear_styles)} Linears of this "
+                      f"model: every rank holds and runs them all (the result is exact). explain({first!r}) says "
+                      "why; drop the axis or report the model", PartitionWarning, stacklevel=stacklevel)

@@ -11,6 +11,7 @@
 - ``matmul``: matmul / bmm / mm (batch, row, column or contracted shards);
 - ``linear``: ``aten.linear`` per the planner's roles (tensor axis), row by row (sequence axis);
 - ``attention``: head-sharded attention, and the Ulysses exchange on a sequence axis;
+- ``written_attention``: attention written out as matmul, elementwise ops, softmax, matmul, sequence-sharded alike;
 - ``collectives``: graphs that already communicate are refused;
 - ``propagate``: the sweep both planners run (each node's decision in graph order);
 - ``sequence_dims``: which dim of each value holds an attention's rows, read from the rules.
@@ -21,7 +22,7 @@ A new rule is a function ``rule(node, placements, axis_size) -> Decision`` decor
 
 from ..errors import PartitionError
 from . import (attention, collectives, conv, indexing, joins, linear, matmul,  # noqa: F401  (they register their rules)
-               reductions, spatial, views)
+               reductions, spatial, views, written_attention)
 from .core import (RULES, Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, register, replicate_all,
                    rule_for, shape_of)
 from .pointwise import pointwise

@@ -14,6 +14,18 @@ from .core import (Decision, R, Unshardable, register, register_factory, replica
 from ..annotations import annotation
 
 aten = torch.ops.aten
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
+
+
+@register(FLEX_ATTENTION)
+def flex_attention(node: Node, placements, axis_size: int) -> Decision:
+    """``flex_attention`` runs whole: its ``score_mod`` and block mask are functions of the global batch, head,
+    query and key indices, which a rank's shard of heads or rows would shift (they would need the shard's offset);
+    it is counted as an attention, and left whole by name (the planner warns)."""
+    if sharded_inputs(node, placements):
+        raise Unshardable("flex_attention is not split: its score_mod and block mask read global head, query and key "
+                          "indices, which a shard would shift; it runs whole on every rank")
+    return replicate_all(node, placements)
 
 
 @register(aten.scaled_dot_product_attention.default)

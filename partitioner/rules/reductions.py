@@ -44,6 +44,19 @@ def _reduced(node: Node, placements, dims, keepdim: bool) -> Decision:
     return Decision(with_dim(placement, placement.dim - shift), decision.inputs)
 
 
+@register(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default, aten.log_softmax.int,
+          aten._log_softmax.default)
+def softmax(node: Node, placements, axis_size: int) -> Decision:
+    """softmax / log_softmax over one dim: each slice along it normalised on its own, so fine unless the sharded
+    dim is that one (a written-out attention's scores split by heads or by query rows)."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    if is_sharded(placement) and placement.dim == norm_dim(node.args[1], len(shape_of(source))):
+        raise Unshardable(f"{node.target.__name__} normalises over the sharded dim {placement.dim}")
+    return decision
+
+
 @register(aten.rms_norm.default, aten.layer_norm.default)
 def norm(node: Node, placements, axis_size: int) -> Decision:
     """rms_norm / layer_norm: fine unless the sharded dim is one of the normalised (last) dims."""

@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Node
 
 from ..placement import PackedShard, Replicate, Shard, is_sharded
 from . import NeedsPacking, NeedsUnit, Unshardable
+from .written_attention import attention_operands
 
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 _JOINS = (torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default)
@@ -116,7 +117,9 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     split them: the rules are asked for 2 ranks, which any dim of 2 rows or more can take. ``skip``: values the
     walk does not enter (the model's weights)."""
     degree = 2
-    attentions = [n for n in gm.graph.nodes if n.target is _ATTENTION and len(_shape(n.args[0]) or ()) == 4]
+    operands = {n: found for n in gm.graph.nodes if (found := attention_operands(n)) is not None
+                and len(_shape(found[0]) or ()) == 4}
+    attentions = list(operands)
     found = SequenceDims()
     rules: dict[Node, Callable] = {}
     carries: dict[Node, list[Node]] = {}  # value -> the inputs that carry its rows (backward walk)
@@ -139,7 +142,7 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     # reached through its getitem (``index``)
     queue = deque()
     for attention in attentions:
-        for source in attention.args[:3]:
+        for source in operands[attention]:
             if isinstance(source, Node) and 2 in _row_dims(source) and record(source, 2):
                 queue.append((source, 2, None))
     visited = set()
@@ -165,11 +168,12 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
                     carries.setdefault(node, []).append(source)
                     record(source, e)
                     queue.append((source, e, None))
-    _reach(attentions, carries, found)
+    _reach(operands, carries, found)
     # forward: from each attention's output to what it computes
     for attention in attentions:
-        record(attention, 2)
-        queue.append((attention, 2))
+        if isinstance(attention.meta.get("val"), torch.Tensor):  # (flex_attention returns a tuple: left whole)
+            record(attention, 2)
+            queue.append((attention, 2))
     visited = set()
     while queue:
         node, dim = queue.popleft()
@@ -194,20 +198,21 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     return found
 
 
-def _reach(attentions: list[Node], carries: dict[Node, list[Node]], found: SequenceDims) -> None:
+def _reach(operands: dict[Node, tuple], carries: dict[Node, list[Node]], found: SequenceDims) -> None:
     """Over the edges the backward walk found to carry rows: which attentions each value's rows feed, which values
     reach an attention through no join (``direct``), and which carry a joined sequence (``joined``)."""
-    if not attentions:
+    if not operands:
         return
+    attentions = list(operands)
     nodes = list(attentions[0].graph.nodes)
     bit = {attention: 1 << i for i, attention in enumerate(attentions)}
     reach: dict[Node, int] = {}
     for attention in attentions:
-        for source in attention.args[:3]:
+        for source in operands[attention]:
             if isinstance(source, Node):
                 reach[source] = reach.get(source, 0) | bit[attention]
                 found.direct.add(source)
-    queries = {attention.args[0] for attention in attentions if isinstance(attention.args[0], Node)}
+    queries = {q for q, _, _ in operands.values() if isinstance(q, Node)}
     for node in reversed(nodes):
         for source in carries.get(node, ()):
             reach[source] = reach.get(source, 0) | reach.get(node, 0)
