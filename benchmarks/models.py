@@ -94,8 +94,10 @@ def _detail(found) -> str:
                  and not decided.single_query]
         parts.append(whole[0] if whole else "no attention or convolution rows to split")
     if Shortfall.LINEARS_WHOLE in found.shortfalls:
-        parts.append("whole: " + ", ".join(found.whole_linears[:3]))
-    return "; ".join(parts).replace("|", "/")[:200]
+        parts.append("whole: " + ", ".join(path + (f" (column sharding stopped at {found.whole_because[path]})"
+                                                    if path in found.whole_because else "")
+                                           for path in found.whole_linears[:2]))
+    return "; ".join(parts).replace("|", "/")[:240]
 
 
 def table(rows: dict) -> list[str]:

@@ -64,23 +64,33 @@ def test_a_kwargs_forward_binds_named_arguments_and_refuses_positional_extras():
         bind_forward(signature, (ids, None, 3), {}, "Encoder")
 
 
-def _flux_pipeline_with_text_encoders(rank, world):
+def _pipeline_with_text_encoders(rank, world, name):
     import partitioner
     from torch.distributed.device_mesh import init_device_mesh
-    from partitioner.testing.pipelines import run, tiny_flux_pipeline
+    from partitioner.runtime.pipelines import text_encoders
+    from partitioner.testing.pipelines import run, tiny_flux_pipeline, tiny_qwen_image_pipeline
 
-    reference = tiny_flux_pipeline()
-    pipe = partitioner.parallelize(tiny_flux_pipeline(), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+    build = dict(flux=tiny_flux_pipeline, qwen_image=tiny_qwen_image_pipeline)[name]
+    reference = build()
+    pipe = partitioner.parallelize(build(), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
                                    text_encoder=True, vae=False)
-    (steps, output), (expected_steps, expected) = run(pipe, "flux"), run(reference, "flux")
+    (steps, output), (expected_steps, expected) = run(pipe, name), run(reference, name)
     errors = [(a - b).abs().max().item() for a, b in zip(steps + [output], expected_steps + [expected])]
-    return errors, {name: dict(getattr(pipe, name).partitioned.collective_counts())
-                    for name in ("transformer", "text_encoder", "text_encoder_2")}
+    encoders = {component: getattr(pipe, component).partitioned for component in text_encoders(pipe)}
+    return errors, {component: dict(p.collective_counts()) for component, p in encoders.items()}, \
+        {component: p.linear_styles for component, p in encoders.items()}
 
 
-def test_parallelize_partitions_the_pipelines_text_encoders(pools):
-    """Flux's CLIP and T5 encoders inside ``parallelize(pipe, mesh, text_encoder=True)``: each a partition of its
-    own over the mesh (all_reduces over tp), the pipeline's steps and image as the unpartitioned pipeline's."""
-    for rank, (errors, collectives) in enumerate(pools[2].run(_flux_pipeline_with_text_encoders)):
+@pytest.mark.parametrize("name", ["flux", "qwen_image"])
+def test_parallelize_partitions_the_pipelines_text_encoders(pools, name):
+    """The text encoders inside ``parallelize(pipe, mesh, text_encoder=True)`` (Flux's CLIP and T5, Qwen-Image's
+    Qwen2.5-VL): each a partition of its own (all_reduces over tp), the pipeline's steps and image as the
+    unpartitioned pipeline's. Qwen2.5-VL returns its key/value cache unless called with ``use_cache=False``, which
+    the pipeline does not pass and never reads: it is called without one, so its key and value projections split
+    by columns like the queries (returning the cache kept them whole on every rank)."""
+    for rank, (errors, collectives, styles) in enumerate(pools[2].run(_pipeline_with_text_encoders, name)):
         assert max(errors) <= 1e-4, (rank, errors)
-        assert all(counts.get(("all_reduce", "tp"), 0) > 0 for counts in collectives.values()), collectives
+        assert collectives and all(counts.get(("all_reduce", "tp"), 0) > 0 for counts in collectives.values())
+        keys = {path: style for component in styles.values() for path, style in component.items()
+                if path.endswith(("k_proj", "v_proj"))}
+        assert all(style == "colwise" for style in keys.values()), keys

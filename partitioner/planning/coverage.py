@@ -36,6 +36,7 @@ class Coverage:
     linear_bytes: int = 0
     sharded_linear_bytes: int = 0
     whole_linears: tuple[str, ...] = ()  # the Linears (module paths) left whole, largest first
+    whole_because: dict[str, str] = field(default_factory=dict)  # a whole Linear -> where column sharding stopped
     attentions: dict[str, AttentionSequencing] = field(default_factory=dict)
     idle_axes: tuple[str, ...] = ()
     shortfalls: tuple[Shortfall, ...] = ()
@@ -97,7 +98,9 @@ def coverage(model: torch.nn.Module, mesh: dict[str, int], example_inputs, **opt
         shortfalls.append(Shortfall.AXIS_IDLE)
     if ctx.sequence_whole:
         shortfalls.append(Shortfall.ATTENTION_WHOLE)
-    result = Coverage(dict(mesh), total, sharded, whole, dict(ctx.sequence_attention), tuple(ctx.sequence_idle))
+    because = {path: str(ctx.replicated_because[path]) for path in whole if path in ctx.replicated_because}
+    result = Coverage(dict(mesh), total, sharded, whole, because, dict(ctx.sequence_attention),
+                      tuple(ctx.sequence_idle))
     if result.tp_share is not None and result.tp_share < TP_TARGET:
         shortfalls.append(Shortfall.LINEARS_WHOLE)
     return Coverage(**{**result.__dict__, "shortfalls": tuple(shortfalls)})

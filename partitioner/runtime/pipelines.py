@@ -44,7 +44,8 @@ class LazyPartition(torch.nn.Module):
     .transformer``). Attribute reads go to the model until then, to its skeleton after."""
 
     def __init__(self, model: torch.nn.Module, mesh, *, checkpoint=None, backend: str = "eager",
-                 compile_options: dict | None = None, where: str | None = None, **partition_options):
+                 compile_options: dict | None = None, where: str | None = None, call_defaults: dict | None = None,
+                 **partition_options):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"parallelize needs a torch.nn.Module, got {type(model).__name__}")
@@ -57,6 +58,7 @@ class LazyPartition(torch.nn.Module):
         self._mesh, self._checkpoint, self._where = mesh, checkpoint, where
         self._backend, self._compile_options, self._options = backend, dict(compile_options or {}), partition_options
         self._model_name = type(model).__name__
+        self._call_defaults = dict(call_defaults or {})  # arguments a call leaves out, given these values
         self.training = model.training
 
         def forward(*args, **kwargs):
@@ -228,6 +230,9 @@ class LazyPartition(torch.nn.Module):
     # --- the call ------------------------------------------------------------------------------------------------
 
     def _call(self, *args, **kwargs):
+        if self._call_defaults:
+            named = inspect.signature(self.forward).bind_partial(*args, **kwargs).arguments
+            kwargs = {**{k: v for k, v in self._call_defaults.items() if k not in named}, **kwargs}
         if self._module is None:
             from ..api import partition
 
@@ -347,8 +352,13 @@ def parallelize(pipe, mesh, *, component: str | list[str] | tuple[str, ...] | No
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"{owner} has no module {name!r} to parallelize (it holds {type(model).__name__}); "
                              f"its denoisers are {denoisers(pipe)}: name one with component=")
+    # a pipeline encodes each prompt once and reads no key/value cache: a decoder text encoder is called without one
+    # (returning it would keep its keys and values whole on every rank under tp)
+    no_cache = {name: {"use_cache": False} for name in names if _TEXT_ENCODER.fullmatch(name)
+                and "use_cache" in inspect.signature(getattr(pipe, name).forward).parameters}
     stand_ins = {name: LazyPartition(getattr(pipe, name), mesh, where=f"{owner}.{name}",
-                                     checkpoint=_checkpoint_for(checkpoint, name, names, owner), **options)
+                                     checkpoint=_checkpoint_for(checkpoint, name, names, owner),
+                                     call_defaults=no_cache.get(name), **options)
                  for name in names}
     for name, lazy in stand_ins.items():
         if isinstance(pipe, torch.nn.Module):
