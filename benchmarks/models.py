@@ -24,11 +24,30 @@ CHECKED = {"TP=2": ((2,), ("tp",)), "Ulysses=2": ((2,), ("ulysses",))}  # run on
 
 
 def _sizes(entry, layout: dict) -> dict:
-    from partitioner.testing.zoo import odd_sizes
+    """Odd lengths under a sequence layout: the zoo's, else 7 text rows where the builder takes text."""
+    import inspect
+
+    from partitioner.frontend.pipeline_sizes import BUILDERS
+    from partitioner.testing.zoo import ZOO, odd_sizes
 
     if not set(layout) & {"ulysses", "ring"}:
         return {}
-    return odd_sizes(entry.key) if entry.kind == "transformer" else dict(text=7)
+    if entry.kind == "transformer" and entry.key in ZOO:
+        return odd_sizes(entry.key)
+    builder = BUILDERS[entry.key] if entry.kind == "transformer" else None
+    return dict(text=7) if builder is None or "text" in inspect.signature(builder).parameters else {}
+
+
+def _example(entry, mesh: dict):
+    """The inputs for a layout: at odd lengths under a sequence layout, unless the model takes one fixed text length
+    (a learned table of that many rows: its pipeline always pads to it), then at the builder's."""
+    sizes = _sizes(entry, mesh)
+    try:
+        return entry.inputs(**sizes)
+    except (ValueError, TypeError):  # (InputError is a ValueError)
+        if not sizes:
+            raise
+        return entry.inputs()
 
 
 def survey(names: list[str], numerics: bool) -> dict:
@@ -45,15 +64,16 @@ def survey(names: list[str], numerics: bool) -> dict:
             rows[name] = {layout: (Coverage(mesh, shortfalls=(Shortfall.NO_INPUT_BUILDER,)), None)
                           for layout, mesh in LAYOUTS.items()}
             continue
-        try:
-            model = entry.build()
-            examples = {layout: entry.inputs(**_sizes(entry, mesh)) for layout, mesh in LAYOUTS.items()}
-        except Exception as error:  # noqa: BLE001  (every outcome is a row)
-            failed = refusal({}, error)
-            rows[name] = {layout: (Coverage(mesh, shortfalls=(Shortfall.BUILD_FAILED,), error=failed.error), None)
-                          for layout, mesh in LAYOUTS.items()}
-            continue
-        rows[name] = {layout: (coverage(model, mesh, examples[layout]), None) for layout, mesh in LAYOUTS.items()}
+        rows[name], model = {}, None
+        for layout, mesh in LAYOUTS.items():
+            try:
+                model = model if model is not None else entry.build()
+                example = _example(entry, mesh)
+            except Exception as error:  # noqa: BLE001  (every outcome is a row)
+                failed = refusal({}, error)
+                rows[name][layout] = (Coverage(mesh, shortfalls=(Shortfall.BUILD_FAILED,), error=failed.error), None)
+                continue
+            rows[name][layout] = (coverage(model, mesh, example), None)
         print(f"{name}: " + ", ".join(f"{layout} {found.status}" for layout, (found, _) in rows[name].items()),
               flush=True)
     if numerics:
@@ -64,7 +84,12 @@ def survey(names: list[str], numerics: bool) -> dict:
                     if found.status == "refused":
                         continue
                     entry = entries[name]
-                    result = pool.run(partition_case, name, shape, axes, _sizes(entry, LAYOUTS[layout]) or None)
+                    sizes = _sizes(entry, LAYOUTS[layout])
+                    try:
+                        entry.inputs(**sizes)
+                    except (ValueError, TypeError):
+                        sizes = {}  # (a fixed text length, as _example)
+                    result = pool.run(partition_case, name, shape, axes, sizes or None)
                     rows[name][layout] = (_with_numerics(found, result), result)
     return rows
 

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InputError, did_you_mean
+from . import pipeline_inputs_a_h, pipeline_inputs_h_o, pipeline_inputs_p_z
 from .pipeline_inputs import (allegro_inputs, auraflow_inputs, bria_inputs, chroma_inputs, chronoedit_inputs,
                               cogvideox_inputs, cogview4_inputs, easyanimate_inputs, flux2_inputs, flux_inputs,
                               hidream_inputs, hunyuan_video15_inputs, hunyuan_video_inputs, kandinsky5_inputs,
@@ -131,6 +132,8 @@ BUILDERS = {  # diffusers class name -> its input builder
     "WanTransformer3DModel": wan_inputs,
     "WanVACETransformer3DModel": wan_vace_inputs,
 }
+# the catalog's other classes (benchmarks/models.py), at their builders' sizes (no production preset yet)
+BUILDERS.update({**pipeline_inputs_a_h.BUILDERS, **pipeline_inputs_h_o.BUILDERS, **pipeline_inputs_p_z.BUILDERS})
 
 
 def pipeline_example(model: torch.nn.Module, preset: str | None = None, seed: int = 0, *, meta: bool = True,

@@ -86,7 +86,10 @@ def coverage(model: torch.nn.Module, mesh: dict[str, int], example_inputs, **opt
         return refusal(mesh, error)
     sizes = {}
     for path, decided in ctx.linear_styles.items():
-        weight = getattr(model.get_submodule(path), "weight", None)
+        try:  # (a functional F.linear outside any module is named by its node: its weight is not counted)
+            weight = getattr(model.get_submodule(path), "weight", None)
+        except AttributeError:
+            weight = None
         sizes[path] = (weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0,
                        decided.style is not Style.REPLICATE)
     total = sum(size for size, _ in sizes.values())

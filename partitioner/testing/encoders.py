@@ -45,7 +45,8 @@ ENCODERS: dict[str, Encoder] = {e.name: e for e in [
             hidden_states=True),
     Encoder("mistral", "MistralModel", "MistralConfig", _DECODER, "(Mistral's language model: Flux2)",
             hidden_states=True),
-    Encoder("glm", "GlmModel", "GlmConfig", {**_DECODER, "pad_token_id": 1}, "CogView4", masked=False, hidden_states=True),
+    Encoder("glm", "GlmModel", "GlmConfig", {**_DECODER, "pad_token_id": 1}, "CogView4", masked=False,
+            hidden_states=True),
 ]}
 
 

@@ -74,6 +74,12 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple,
     ``{"status": "exact" | "refused", ...}`` with the error, the refusal's class and message, the replicated share
     of parameter bytes, collectives, attentions sequence-sharded over every sequence axis and seconds spent
     partitioning."""
+    return model_case(rank, world, build(name), inputs(name, **(sizes or {})), shape, names)
+
+
+def model_case(rank: int, world: int, model, example: tuple, shape: tuple, names: tuple) -> dict:
+    """``model`` partitioned on a ``shape``/``names`` DeviceMesh of the running ranks with ``example = (args,
+    kwargs)``, this rank's output against the model's (``partition_case``'s result)."""
     import time
     import warnings
 
@@ -82,8 +88,7 @@ def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple,
     from .. import partition
     from ..errors import PartitionerError
 
-
-    model, (args, kwargs) = build(name), inputs(name, **(sizes or {}))
+    args, kwargs = example
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     start = time.perf_counter()
     try:
