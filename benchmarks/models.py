@@ -103,7 +103,7 @@ def _with_numerics(found, results: list[dict]):
     bad = [r for r in results if r["status"] != "exact"]
     if not bad:
         return found
-    kind = Shortfall.INEXACT if bad[0]["status"] == "wrong" else Shortfall.REFUSED
+    kind = {"wrong": Shortfall.INEXACT, "failed": Shortfall.FAILED}.get(bad[0]["status"], Shortfall.REFUSED)
     detail = bad[0].get("message") or f"error {bad[0].get('error')}"
     return dataclasses.replace(found, shortfalls=(*found.shortfalls, kind), error=detail[:300])
 

@@ -98,12 +98,17 @@ def build_tiny(cls: str) -> torch.nn.Module:
 
 def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple, sizes: dict | None = None) -> dict:
     """``catalog()[name]`` partitioned on the running ranks, each rank's output against the model's
-    (``zoo_check.partition_case`` or ``encoders.partition_case``)."""
+    (``zoo_check.partition_case`` or ``encoders.partition_case``); an exception that is not a refusal is reported
+    (``status`` failed), not raised, so one model's defect does not stop the survey."""
     from .zoo_check import model_case, partition_case as zoo_case
 
     entry = catalog()[name]
-    if entry.kind == "text encoder":
-        return encoders.partition_case(rank, world, entry.key, shape, names, sizes)
-    if entry.key in zoo.ZOO:
-        return zoo_case(rank, world, entry.key, shape, names, sizes)
-    return model_case(rank, world, entry.build(), entry.inputs(**(sizes or {})), shape, names)
+    try:
+        if entry.kind == "text encoder":
+            return encoders.partition_case(rank, world, entry.key, shape, names, sizes)
+        if entry.key in zoo.ZOO:
+            return zoo_case(rank, world, entry.key, shape, names, sizes)
+        return model_case(rank, world, entry.build(), entry.inputs(**(sizes or {})), shape, names)
+    except Exception as error:  # noqa: BLE001  (a raw exception is a defect of this package: the table says so)
+        first = (str(error).strip().splitlines() or [""])[0]
+        return dict(status="failed", error_type=type(error).__name__, message=f"{type(error).__name__}: {first}"[:500])
