@@ -180,3 +180,40 @@ def test_cogvideox_and_cogview4_rotate_in_place_and_stay_exact(shape, names):
         for name, (error, exchanges) in results.items():
             assert error <= TOLERANCE, (name, error)
             assert exchanges > 0, (name, "no attention was sequence-sharded")
+
+
+class _Table:
+    """A helper object a model holds (Z-Image's RopeEmbedder): it caches a table on its first call."""
+
+    def __init__(self):
+        self.table = None
+
+    def __call__(self, n: int, device) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.arange(n, dtype=torch.float32, device=device) * 0.5
+        return self.table
+
+
+class _CachesOnFirstCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.table, self.scale = nn.Linear(8, 8), _Table(), None
+
+    def forward(self, x):
+        if self.scale is None:  # its own attribute, set on the first call
+            self.scale = x.new_full((), 2.0)
+        return self.linear(x) * self.scale + self.table(x.shape[-1], x.device)
+
+
+def test_tracing_leaves_the_model_as_it_found_it():
+    """A forward that caches on its first call kept what the trace computed from fake tensors: called eagerly
+    afterwards, the user's model returned other numbers (Z-Image by 0.4, its rotary tables) or failed. The trace
+    restores every module's plain attributes and those of the helper objects they hold."""
+    from partitioner import plan
+
+    torch.manual_seed(0)
+    model, x = _CachesOnFirstCall().eval(), torch.randn(2, 8)
+    plan(model, {"tp": 2}, ((x,), {}))
+    assert model.scale is None and model.table.table is None
+    with torch.no_grad():
+        assert torch.equal(model(x), model.linear(x) * 2.0 + torch.arange(8.0) * 0.5)
