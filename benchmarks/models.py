@@ -181,7 +181,39 @@ def main() -> None:
         text = path.read_text()
         begin, end = "<!-- models table: benchmarks/models.py --write -->", "<!-- end of models table -->"
         head, rest = text.split(begin)
+        if args.models:  # the listed models' rows replaced in the written table, its summary counted again
+            lines = merged(text.split(begin)[1].split(end)[0], table(rows)[2:])
         path.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end)[1])
+
+
+def merged(written: str, new_rows: list[str]) -> list[str]:
+    """The written table with the rows of the models in ``new_rows`` replaced, and its summary counted from the
+    rows (model, status and shortfall columns)."""
+    from partitioner.planning.coverage import Shortfall
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in line.strip().strip("|").split("|")]
+    replaced = {cells(line)[0] for line in new_rows}
+    old_rows = [line for line in written.splitlines() if line.startswith("| ") and not line.startswith("| model |")]
+    rows = [line for line in old_rows if cells(line)[0] not in replaced]
+    rows += new_rows
+    order = list(dict.fromkeys(cells(line)[0] for line in old_rows + new_rows))
+    rows.sort(key=lambda line: order.index(cells(line)[0]))  # (stable: layouts keep their order)
+    by_model: dict[str, list[list[str]]] = {}
+    for line in rows:
+        by_model.setdefault(cells(line)[0], []).append(cells(line))
+    statuses = [row[3] for row in sum(by_model.values(), [])]
+    shortfalls = [kind for row in sum(by_model.values(), []) for kind in row[8].split(", ") if kind]
+    built = sum(1 for model in by_model.values() if not any(str(Shortfall.NO_INPUT_BUILDER) in r[8] for r in model))
+    all_ok = sum(1 for model in by_model.values() if all(r[3] == "ok" for r in model))
+    counts = {str(kind): shortfalls.count(str(kind)) for kind in Shortfall}
+    return [f"{len(by_model)} models ({built} with an input builder); ok in all four layouts: {all_ok}; "
+            f"layouts ok / partial / refused: {statuses.count('ok')} / {statuses.count('partial')} / "
+            f"{statuses.count('refused')}.", "",
+            "Shortfalls over all model x layout cells: " + ", ".join(f"{kind} {n}" for kind, n in counts.items()
+                                                                     if n) + ".", "",
+            "| model | kind | layout | status | checked | tp share | attentions split | collectives | shortfall | "
+            "detail |", "|---|---|---|---|---|---|---|---|---|---|"] + rows
 
 
 if __name__ == "__main__":

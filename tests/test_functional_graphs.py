@@ -6,6 +6,8 @@ Tolerance as in test_tp_numerics: float32, sharding reorders sums only, 1e-5.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -199,16 +201,22 @@ class _CachesOnFirstCall(nn.Module):
         super().__init__()
         self.linear, self.table, self.scale = nn.Linear(8, 8), _Table(), None
 
+    @staticmethod
+    @functools.lru_cache(maxsize=8)  # (NucleusMoE's rotary tables are cached so)
+    def angles(n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32) * 0.25
+
     def forward(self, x):
         if self.scale is None:  # its own attribute, set on the first call
             self.scale = x.new_full((), 2.0)
-        return self.linear(x) * self.scale + self.table(x.shape[-1], x.device)
+        return self.linear(x) * self.scale + self.table(x.shape[-1], x.device) + self.angles(x.shape[-1])
 
 
 def test_tracing_leaves_the_model_as_it_found_it():
     """A forward that caches on its first call kept what the trace computed from fake tensors: called eagerly
-    afterwards, the user's model returned other numbers (Z-Image by 0.4, its rotary tables) or failed. The trace
-    restores every module's plain attributes and those of the helper objects they hold."""
+    afterwards, the user's model returned other numbers (Z-Image by 0.4, its rotary tables) or failed, and a second
+    trace took the cached fake tensors for constants. The trace restores every module's plain attributes and those
+    of the helper objects they hold, and empties their classes' method caches."""
     from partitioner import plan
 
     torch.manual_seed(0)
@@ -216,4 +224,5 @@ def test_tracing_leaves_the_model_as_it_found_it():
     plan(model, {"tp": 2}, ((x,), {}))
     assert model.scale is None and model.table.table is None
     with torch.no_grad():
-        assert torch.equal(model(x), model.linear(x) * 2.0 + torch.arange(8.0) * 0.5)
+        assert torch.equal(model(x), model.linear(x) * 2.0 + torch.arange(8.0) * 0.5 + torch.arange(8.0) * 0.25)
+    plan(model, {"ulysses": 2}, ((x,), {}))  # a second trace of the same model

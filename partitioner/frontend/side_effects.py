@@ -4,7 +4,7 @@ while torch.export traced it, from fake or meta tensors: the model, called eager
 numbers than before it was partitioned, with no error. ``attributes_kept`` restores every module's plain attributes
 (added, replaced, or a list or dict changed in place) once the trace is done; parameters, buffers and submodules
 are not plain attributes (their own context managers put back what they swap). Plain Python objects a module holds
-(a rotary helper) are restored alike, one level deep."""
+(a rotary helper) are restored alike, one level deep, and their classes' method caches emptied."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def _helpers(module: torch.nn.Module) -> list:
             and not inspect.isroutine(value)]
 
 
+def _clear_method_caches(classes: set[type]) -> None:
+    """Empty the ``functools.lru_cache``/``cache`` of the classes' methods (QwenImage's and NucleusMoE's rotary
+    ``_compute_video_freqs``): what they hold from the trace are fake tensors, which a later call or trace would
+    take for real ones."""
+    for cls in classes:
+        for klass in cls.__mro__:
+            for value in vars(klass).values():
+                function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+                if callable(getattr(function, "cache_clear", None)) and hasattr(function, "cache_info"):
+                    function.cache_clear()
+
+
 @contextlib.contextmanager
 def attributes_kept(model: torch.nn.Module):
     saved = []
@@ -45,6 +57,7 @@ def attributes_kept(model: torch.nn.Module):
     try:
         yield
     finally:
+        _clear_method_caches({type(owner) for owner, _, _ in saved})
         for module, attributes, contents in saved:
             current = vars(module)
             for name in [name for name in current if name not in attributes and not name.startswith("_")]:
