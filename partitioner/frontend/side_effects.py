@@ -17,12 +17,22 @@ import torch
 
 _MISSING = object()
 _TORCH_STATE = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping (hooks, parameters, ...): not ours
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _public(name: str) -> bool:
+    """Names a model's own code sets. Private ones a library may set once with effects beyond the attribute
+    (transformers records that it installed its output-capturing hooks so: deleting the record installs them
+    twice); a private attribute the forward replaces is still restored."""
+    return not name.startswith("_")
 
 
 def _changed(value, content) -> bool:
-    """A list or dict no longer holding what it held (the same objects, in order)."""
+    """A list, dict or set no longer holding what it held (the same objects, in order)."""
     if isinstance(value, dict):
         return value.keys() != content.keys() or any(value[key] is not content[key] for key in content)
+    if isinstance(value, set):
+        return value != content
     return len(value) != len(content) or any(a is not b for a, b in zip(value, content))
 
 
@@ -42,8 +52,10 @@ def _clear_method_caches(classes: set[type]) -> None:
         for klass in cls.__mro__:
             for value in vars(klass).values():
                 function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
-                if callable(getattr(function, "cache_clear", None)) and hasattr(function, "cache_info"):
-                    function.cache_clear()
+                while function is not None:  # (through decorators above the cache: functools.wraps keeps it)
+                    if callable(getattr(function, "cache_clear", None)) and hasattr(function, "cache_info"):
+                        function.cache_clear()
+                    function = getattr(function, "__wrapped__", None)
 
 
 @contextlib.contextmanager
@@ -51,8 +63,10 @@ def attributes_kept(model: torch.nn.Module):
     saved = []
     for owner in [*model.modules(), *(helper for module in model.modules() for helper in _helpers(module))]:
         attributes = dict(vars(owner))
+        # lists and dicts by content: a cache filled in place, and a module's registries (a buffer registered or
+        # replaced by the forward, a name that became a parameter)
         contents = {name: type(value)(value) for name, value in attributes.items()
-                    if type(value) in (list, dict) and not name.startswith("_")}
+                    if type(value) in (list, dict, set) and (_public(name) or name in _REGISTRIES)}
         saved.append((owner, attributes, contents))
     try:
         yield
@@ -60,7 +74,7 @@ def attributes_kept(model: torch.nn.Module):
         _clear_method_caches({type(owner) for owner, _, _ in saved})
         for module, attributes, contents in saved:
             current = vars(module)
-            for name in [name for name in current if name not in attributes and not name.startswith("_")]:
+            for name in [name for name in current if name not in attributes and _public(name)]:
                 del current[name]
             for name, value in attributes.items():
                 if name not in _TORCH_STATE and current.get(name, _MISSING) is not value:
@@ -69,4 +83,4 @@ def attributes_kept(model: torch.nn.Module):
                 value = current[name]
                 if _changed(value, content):
                     value.clear()
-                    (value.update if isinstance(value, dict) else value.extend)(content)
+                    (value.update if isinstance(value, (dict, set)) else value.extend)(content)

@@ -8,7 +8,8 @@ scores (a scale, Gemma's soft cap ``tanh(s / c) * c``, an additive or ``where`` 
   values are exchanged alike before ``p @ v``, and the output goes back to the queries' rows (consumers see the
   queries' placement, as for SDPA);
 - too few heads for the degree, a ring axis, or keys kept whole: each rank's query rows attend over whole keys and
-  values (gathered where they were split), and the output keeps the query rows: exact, no exchange back.
+  values (gathered where they were split), and the output keeps the query rows: exact, no exchange back;
+- fewer rows than the degree: left whole (as for SDPA).
 
 ``written_attention(node)`` recognises the pattern at its last matmul by op semantics (a softmax over the last dim
 between two matmuls, only elementwise ops between the first matmul and the softmax), never by names or sizes.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..placement import PackedShard, Shard, is_sharded
+from ..placement import PackedShard, Partial, Shard, is_sharded
 from .core import Decision, R, Unshardable, register_factory, shape_of
 from .matmul import matmul
 from .attention import FLEX_ATTENTION, RING_AXES
@@ -138,12 +139,13 @@ def _scores(attention: WrittenAttention, placements, axis_size: int, ring: bool)
     if not (rows_q or pq == R) or not (rows_k or pk == R):
         return matmul(attention.scores, placements, axis_size)  # (heads already split: a batch dim)
     heads = shape_of(q)[1]
-    if not ring and heads >= axis_size and (rows_q or rows_k):
+    for split, rows in ((rows_q, shape_of(q)[2]), (rows_k, shape_of(keys_t)[3])):
+        if split and rows < axis_size:
+            raise Unshardable(f"a sequence of {rows} rows cannot be spread over a degree of {axis_size}")
+    if not ring and heads >= axis_size and rows_k:  # (queries split over whole keys: on their own rows, below)
         return Decision(Shard(1), {q: Shard(1), keys_t: Shard(1)})
     if not rows_q:
         raise Unshardable("keys split along their rows reach a written-out attention whose queries are whole")
-    if shape_of(q)[2] < axis_size:
-        raise Unshardable(f"{shape_of(q)[2]} query rows cannot be spread over a degree of {axis_size}")
     return Decision(Shard(2), {q: Shard(2), keys_t: R})
 
 
@@ -153,7 +155,9 @@ def _output(attention: WrittenAttention, placements, axis_size: int) -> Decision
     probabilities, v = attention.output.args[:2]
     placed = placements.get(probabilities, R)
     if placed == Shard(1):
-        return Decision(Shard(1), {probabilities: Shard(1), v: Shard(1)}, visible=placements.get(attention.q, R))
+        queries = placements.get(attention.q, R)  # (what consumers see: the queries' rows, never a partial sum)
+        return Decision(Shard(1), {probabilities: Shard(1), v: Shard(1)},
+                        visible=R if isinstance(queries, Partial) else queries)
     if placed == Shard(2):
         return Decision(Shard(2), {probabilities: Shard(2), v: R})
     return matmul(attention.output, placements, axis_size)
