@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .pipeline_inputs import _randn, _text_mask, _timestep, cogvideox_rotary
+from .pipeline_inputs import _flux_ids, _randn, _text_mask, _timestep, cogvideox_rotary
 
 
 
@@ -78,14 +78,6 @@ def anyflow_far_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int =
                     kv_cache_flag={"num_cached_chunks": chunk, "is_cache_step": False})
 
 
-def _ids_hw(height: int, width: int) -> torch.Tensor:
-    """Flux-style (h*w, 3) float image ids (0, row, col)."""
-    ids = torch.zeros(height, width, 3)
-    ids[..., 1] += torch.arange(height)[:, None]
-    ids[..., 2] += torch.arange(width)[None, :]
-    return ids.reshape(height * width, 3)
-
-
 def bria_fibo_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 0, height: int = 4, width: int = 4):
     """BriaFiboPipeline (do_patching=False): latents packed without 2x2 patching to (1, h*w, in_channels),
     SmolLM3 rows = cat(last, second-to-last hidden layer) (joint_attention_dim), ``text_encoder_layers`` = a Python
@@ -101,7 +93,7 @@ def bria_fibo_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 0
     kwargs = dict(hidden_states=_randn(g, 1, height * width, config["in_channels"]),
                   encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]) * keep,
                   text_encoder_layers=layers, timestep=_timestep(g), txt_ids=torch.zeros(text, 3),
-                  img_ids=_ids_hw(height, width))
+                  img_ids=_flux_ids(height, width))
     if pad:
         mask = torch.cat([_text_mask(text, pad, torch.bool), torch.ones(1, height * width, dtype=torch.bool)], 1)
         kwargs["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :]}

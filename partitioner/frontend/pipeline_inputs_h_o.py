@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .pipeline_inputs import _randn, _text_mask, _timestep
+from .pipeline_inputs import _flux_ids, _randn, _text_mask, _timestep
 
 
 
@@ -181,10 +181,7 @@ def krea2_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 2, he
     gh, gw = height // 2, width // 2
     mask = torch.ones(1, text, dtype=torch.bool)
     mask[:, text - suffix - pad:text - suffix] = False
-    image_ids = torch.zeros(gh, gw, 3)
-    image_ids[..., 1] = torch.arange(gh)[:, None]
-    image_ids[..., 2] = torch.arange(gw)[None, :]
-    position_ids = torch.cat([torch.zeros(text, 3), image_ids.reshape(gh * gw, 3)], dim=0)
+    position_ids = torch.cat([torch.zeros(text, 3), _flux_ids(gh, gw)], dim=0)
     return (), dict(hidden_states=_randn(g, 1, gh * gw, config["in_channels"]),
                     encoder_hidden_states=_randn(g, 1, text, config["num_text_layers"], config["text_hidden_dim"]),
                     timestep=_timestep(g, 1.0).expand(1), position_ids=position_ids, encoder_attention_mask=mask)
@@ -267,6 +264,13 @@ def longcat_audio_dit_inputs(config: dict, seed: int = 0, *, text: int = 8, pad:
                     attention_mask=torch.ones(1, frames, dtype=torch.bool), latent_cond=torch.zeros(1, frames, d))
 
 
+def _diagonal_text_ids(text: int) -> torch.Tensor:
+    """(text, 3) float text ids (0, i, i): LongCat-Image's and Ovis-Image's pipelines."""
+    ids = torch.zeros(text, 3)
+    ids[:, 1:] = torch.arange(text, dtype=torch.float32)[:, None]
+    return ids
+
+
 # --- LongCatImageTransformer2DModel -----------------------------------------------------------------------------------
 
 def longcat_image_inputs(config: dict, seed: int = 0, *, text: int = 8, height: int = 8, width: int = 8):
@@ -277,16 +281,12 @@ def longcat_image_inputs(config: dict, seed: int = 0, *, text: int = 8, height: 
     guidance None."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = height // 2, width // 2
-    txt_ids = torch.zeros(text, 3)
-    txt_ids[:, 1] = torch.arange(text)
-    txt_ids[:, 2] = torch.arange(text)
-    img_ids = torch.zeros(gh, gw, 3)
-    img_ids[..., 0] = 1
-    img_ids[..., 1] += torch.arange(gh)[:, None] + text
-    img_ids[..., 2] += torch.arange(gw)[None, :] + text
+    img_ids = _flux_ids(gh, gw)
+    img_ids[:, 0] = 1
+    img_ids[:, 1:] += text
     return (), dict(hidden_states=_randn(g, 1, gh * gw, config["in_channels"]), timestep=_timestep(g, 1.0).expand(1),
                     guidance=None, encoder_hidden_states=_randn(g, 1, text, config["joint_attention_dim"]),
-                    txt_ids=txt_ids, img_ids=img_ids.reshape(gh * gw, 3))
+                    txt_ids=_diagonal_text_ids(text), img_ids=img_ids)
 
 
 # --- LuminaNextDiT2DModel ---------------------------------------------------------------------------------------------
@@ -406,15 +406,9 @@ def ovis_image_inputs(config: dict, seed: int = 0, *, text: int = 8, pad: int = 
     batch dim; timestep t/1000 (the model multiplies by 1000 again); joint_attention_kwargs None."""
     g = torch.Generator().manual_seed(seed)
     gh, gw = height // 2, width // 2
-    txt_ids = torch.zeros(text, 3)
-    txt_ids[:, 1] = torch.arange(text)
-    txt_ids[:, 2] = torch.arange(text)
-    img_ids = torch.zeros(gh, gw, 3)
-    img_ids[..., 1] += torch.arange(gh)[:, None]
-    img_ids[..., 2] += torch.arange(gw)[None, :]
     prompt = _randn(g, 1, text, config["joint_attention_dim"]) * _text_mask(text, pad, torch.float32)[..., None]
     return (), dict(hidden_states=_randn(g, 1, gh * gw, config["in_channels"]), timestep=_timestep(g, 1.0).expand(1),
-                    encoder_hidden_states=prompt, txt_ids=txt_ids, img_ids=img_ids.reshape(gh * gw, 3))
+                    encoder_hidden_states=prompt, txt_ids=_diagonal_text_ids(text), img_ids=_flux_ids(gh, gw))
 
 
 BUILDERS = {  # diffusers class name -> its input builder

@@ -5,6 +5,7 @@ planning passes' decisions, never from their text. ``benchmarks/models.py`` writ
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -106,4 +107,4 @@ def coverage(model: torch.nn.Module, mesh: dict[str, int], example_inputs, **opt
                       tuple(ctx.sequence_idle))
     if result.tp_share is not None and result.tp_share < TP_TARGET:
         shortfalls.append(Shortfall.LINEARS_WHOLE)
-    return Coverage(**{**result.__dict__, "shortfalls": tuple(shortfalls)})
+    return dataclasses.replace(result, shortfalls=tuple(shortfalls))
