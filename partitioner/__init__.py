@@ -4,7 +4,7 @@ from .api import Partitioned, partition, plan
 from .backends.neuron import NeuronLegalityError, NeuronPerformanceWarning
 from .backends.xla import CollectiveMismatch, XlaBackendError
 from .errors import (AlreadyPartitioned, BackendError, BackwardUnsupported, CheckpointError, CollectiveTimeout,
-                     ConcurrentCall, InputError, MeshError,
+                     ConcurrentCall, FailedOnAnotherRank, InputError, MeshError,
                      MissingWeights, NotFound, PartitionerError, PartitionError, PartitionUnusable, PartitionWarning,
                      RankDisagreement, TraceError, VerificationError)
 from .placement import PackedShard
@@ -12,7 +12,7 @@ from .plans import Plan
 from .runtime.pipelines import parallelize
 
 __all__ = ["AlreadyPartitioned", "BackendError", "BackwardUnsupported", "CheckpointError", "CollectiveMismatch",
-           "CollectiveTimeout", "ConcurrentCall", "InputError", "MeshError",
+           "CollectiveTimeout", "ConcurrentCall", "FailedOnAnotherRank", "InputError", "MeshError",
            "MissingWeights", "NeuronLegalityError", "NeuronPerformanceWarning", "NotFound", "PackedShard",
            "PartitionError", "PartitionUnusable",
            "PartitionWarning", "Partitioned", "PartitionerError", "Plan", "RankDisagreement", "TraceError",

@@ -68,6 +68,11 @@ class RankDisagreement(PartitionerError, RuntimeError):
     """Ranks built different plans, or called the partition differently; raised on every rank."""
 
 
+class FailedOnAnotherRank(RankDisagreement):
+    """``partition`` failed on another rank (its error named here), so this rank refuses too: every rank raises,
+    the failing one its own error, so that every rank can fall back alike (a VAE decodes whole)."""
+
+
 class CollectiveTimeout(PartitionerError, RuntimeError):
     """A collective did not complete within the partition's timeout (a peer failed, hung or never called)."""
 

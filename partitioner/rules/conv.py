@@ -143,6 +143,7 @@ def split_rows(node: Node, placement, axis_size: int):
     if any(start % stride for start, _ in ranges):
         raise NeedsUnit(x, stride)
     widths = [end - start for start, end in ranges]
+    _every_rank_holds_rows(dim, size, widths)
     mirrored = pad_mode(node) == "reflect"  # the first and last rank mirror rows next to their edge row
     if min(widths) < max(before, after) or mirrored and min(widths[0], widths[-1]) <= max(before, after):
         raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows split {widths} over "
@@ -172,10 +173,19 @@ def _split_rows_transposed(node: Node, placement, axis_size: int):
         raise Unshardable(f"transposed convolution over the sharded spatial dim {dim} maps {size} rows to {out} "
                           f"(stride {stride[spatial]}, padding {padding[spatial]}): not each rank's rows x stride")
     widths = shard_widths(placement, size, axis_size)
+    _every_rank_holds_rows(dim, size, widths)
     if min(widths) < max(before, after):
         raise Unshardable(f"transposed convolution over the sharded spatial dim {dim}: {size} rows split {widths}, "
                           f"fewer on some rank than the {max(before, after)} its neighbour borrows")
     return packed_shard(dim, (out,), boundary_unit(placement, size, axis_size) * stride[spatial], axis_size)
+
+
+def _every_rank_holds_rows(dim: int, size: int, widths: list[int]) -> None:
+    """A convolution cannot run on no rows (PyTorch refuses an input smaller than its kernel, even 1 x 1): fewer
+    rows than ranks stay whole here, and a later convolution over more rows splits them again."""
+    if min(widths) == 0:
+        raise Unshardable(f"convolution over the sharded spatial dim {dim}: {size} rows split {widths} over "
+                          f"{len(widths)} ranks, none on some rank")
 
 
 def halo_rows(node: Node, dim: int) -> tuple[int, int]:

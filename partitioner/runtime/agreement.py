@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import (CheckpointError, CollectiveTimeout, ConcurrentCall, InputError, PartitionUnusable,
-                      RankDisagreement)
+from ..errors import (CheckpointError, CollectiveTimeout, ConcurrentCall, FailedOnAnotherRank, InputError,
+                      PartitionUnusable, RankDisagreement)
 from .collectives import WAITS
 from .rank_groups import RankGroups, first_line, forget
 from .fingerprints import _number, check_fingerprint, fingerprints, values_digest
@@ -95,7 +95,7 @@ def agree_on_plan(groups: RankGroups | None, lines: list[str] | None, failure: B
     if failed:
         if failure is not None:
             raise failure
-        raise RankDisagreement(f"rank(s) {sorted(failed)} failed to partition, so no rank runs: "
+        raise FailedOnAnotherRank(f"rank(s) {sorted(failed)} failed to partition, so no rank runs: "
                                + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
     if len({digest for _, digest in every}) == 1:
         return

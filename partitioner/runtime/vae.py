@@ -5,7 +5,8 @@ every later call (other latent sizes are shape specialisations).
 
 The VAE module itself stays whole on every rank: its weights are small; what a decode at 720p holds is activations,
 which the split divides. A VAE whose method cannot be partitioned (an op no rule carries the split through) runs
-whole, with one ``PartitionWarning`` saying why: an exact run that shards nothing must say so.
+whole, with one ``PartitionWarning`` saying why: an exact run that shards nothing must say so. So does one whose
+split fails inside the passes, or on another rank (every rank falls back alike).
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import warnings
 
 import torch
 
-from ..errors import PartitionError, PartitionWarning, TraceError
+from ..errors import (CollectiveTimeout, ConcurrentCall, FailedOnAnotherRank, PartitionUnusable, PartitionWarning,
+                      RankDisagreement)
 
 METHODS = ("decode", "encode")
+# Failures of the ranks rather than of the split (ranks holding other weights plan differently): a decode that falls
+# back to whole on them would hide them. Every
+# other failure of ``partition`` (a refusal, an internal error of a pass, another rank's, which the plan check
+# raises on every rank as ``FailedOnAnotherRank``) is raised on every rank alike, so every rank decodes whole.
+_RANK_FAILURES = (RankDisagreement, CollectiveTimeout, ConcurrentCall, PartitionUnusable)
 
 
 def ring_over_all_ranks(mesh):
@@ -47,16 +54,23 @@ class PartitionedMethod:
     def whole(self, *args, **kwargs):
         return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
 
+    def _runs_whole_because(self, error: Exception) -> None:
+        self.whole_because = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        warnings.warn(f"{self.where}.{self.method} runs whole on every rank (not partitioned): {self.whole_because}",
+                      PartitionWarning, stacklevel=3)
+
     def __call__(self, *args, **kwargs):
         if self.compiled is None and self.whole_because is None:
             from ..api import partition
 
             try:
                 partitioned = partition(self.module, self.mesh, (args, kwargs), method=self.method, **self.options)
-            except (PartitionError, TraceError) as error:
-                self.whole_because = str(error).splitlines()[0]
-                warnings.warn(f"{self.where}.{self.method} runs whole on every rank (not partitioned): "
-                              f"{self.whole_because}", PartitionWarning, stacklevel=2)
+            except FailedOnAnotherRank as error:
+                self._runs_whole_because(error)
+            except _RANK_FAILURES:  # ranks out of step: running whole would hide it
+                raise
+            except Exception as error:  # noqa: BLE001 (every rank failed alike: the plan check saw to it)
+                self._runs_whole_because(error)
             else:
                 self.compiled = partitioned.compile(self.backend, **self.compile_options)
         if self.compiled is None:

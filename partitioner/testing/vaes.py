@@ -67,6 +67,23 @@ def tiny_minimax_h3_audio_vae(seed: int = 0):
         resblock_dilation_sizes=((1,),), latents_mean=[0.0] * 8, latents_std=[1.0] * 8).eval()
 
 
+def tiny_dc_ae(seed: int = 0):
+    """AutoencoderDC (Sana): ResNet levels, then EfficientViT blocks (ReLU linear attention over every pixel, a
+    multi-scale 5 x 5 depthwise aggregation of q, k, v), 1 x 1 convolutions, pixel-shuffle upsampling."""
+    from diffusers import AutoencoderDC
+
+    torch.manual_seed(seed)
+    return AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=4, encoder_block_types=("ResBlock",) * 2 +
+        ("EfficientViTBlock",), decoder_block_types=("ResBlock",) * 2 + ("EfficientViTBlock",),
+        encoder_block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+        upsample_block_type="pixel_shuffle", downsample_block_type="pixel_unshuffle",
+        decoder_norm_types=("batch_norm", "batch_norm", "rms_norm"), decoder_act_fns=("relu", "relu", "silu"),
+        scaling_factor=0.41).eval()
+
+
 class PaddedNet(torch.nn.Module):
     """The padding and resampling idioms of convolutional decoders and encoders in one small network: reflect and
     replicate padding (H3's encoder, BigVGAN's filters), a strided convolution after replicate padding,
@@ -96,9 +113,10 @@ def tiny_padded_net(seed: int = 0):
 
 
 VAES = {"autoencoder_kl": tiny_autoencoder_kl, "wan": tiny_wan_vae, "qwen_image": tiny_qwen_image_vae,
-        "minimax_h3": tiny_minimax_h3_vae, "minimax_h3_audio": tiny_minimax_h3_audio_vae}
+        "minimax_h3": tiny_minimax_h3_vae, "minimax_h3_audio": tiny_minimax_h3_audio_vae, "dc_ae": tiny_dc_ae}
 # latent frames (None: an image VAE; 0: an audio VAE, whose latent is [batch, channels, time])
-FRAMES = {"autoencoder_kl": None, "wan": 2, "qwen_image": 1, "minimax_h3": 5, "minimax_h3_audio": 0}
+FRAMES = {"autoencoder_kl": None, "wan": 2, "qwen_image": 1, "minimax_h3": 5, "minimax_h3_audio": 0,
+          "dc_ae": None}
 
 
 def latents(name: str, height: int, width: int, seed: int = 3, frames: int | None = None) -> torch.Tensor:
