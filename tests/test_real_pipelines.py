@@ -353,3 +353,20 @@ def test_spawned_ranks_leave_no_leaked_semaphores():
                             cwd=str(__import__("pathlib").Path(__file__).parent))
     assert result.returncode == 0 and "[0, 1]" in result.stdout, result.stderr[-3000:]
     assert "leaked semaphore" not in result.stderr, result.stderr
+
+
+def test_tiny_qwen_image_pipeline_embeds_prompt_and_negative_prompt_apart():
+    """The pipeline strips its chat template's system prefix by a token count (the real tokenizer's 34); the test
+    tokenizer spells it byte by byte, so the tiny pipeline strips its own count. Left at 34, most rows of every
+    embedding were the rest of the system prompt, alike for a prompt and its negative prompt, and no test of
+    guidance could fail: here every row of the two embeddings differs (a causal encoder: each row after the prefix
+    reads the prompt's first token)."""
+    from partitioner.testing.pipelines import tiny_qwen_image_pipeline
+
+    pipe = tiny_qwen_image_pipeline()
+    with torch.no_grad():
+        prompt, _ = pipe.encode_prompt("a red fox", device="cpu")
+        negative, _ = pipe.encode_prompt("blurry", device="cpu")
+    rows = min(prompt.shape[1], negative.shape[1])
+    assert rows >= 9, prompt.shape  # the prompt's bytes and the template's closing tokens, not the system prompt
+    assert (prompt[:, :rows] - negative[:, :rows]).abs().amax(-1).min() > 0

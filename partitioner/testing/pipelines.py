@@ -190,9 +190,14 @@ def tiny_qwen_image_pipeline(seed: int = 0, *, heads: int = 4):
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    return _quiet(QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(),
-                             text_encoder=_qwen_text_encoder(tokenizer, seed=seed + 2), tokenizer=tokenizer,
-                             transformer=transformer.eval()))
+    pipe = _quiet(QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(),
+                                    text_encoder=_qwen_text_encoder(tokenizer, seed=seed + 2), tokenizer=tokenizer,
+                                    transformer=transformer.eval()))
+    # the pipeline strips the chat template's system prefix by its token count in the real tokenizer (34); spelt
+    # byte by byte here it is longer, and the rest of it would make most rows of every prompt's embedding alike
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
+    return pipe
 
 
 def _h3_blocks():
