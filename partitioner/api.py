@@ -49,7 +49,8 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
               dump_dir: str | Path | None = None, rank: int = 0, bounds: dict[str, int] | None = None,
               backend_checks: str | dict | None = None, buckets: dict | None = None,
               timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
-              input_fingerprint: str = "sample", method: str = "forward", programs: str = "rank") -> Partitioned:
+              input_fingerprint: str = "sample", method: str = "forward", programs: str = "rank",
+              cfg: str = "batch") -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -81,11 +82,15 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     ``InputError`` on every rank naming the inputs (``Partitioned.input_fingerprint`` changes it later).
     ``method``: the model's method traced as the entry, "forward" by default; a VAE's "decode" or "encode" (then
     ``example_inputs`` and every call are that method's arguments). Over a ring axis a convolutional network's
-    rows are split along height (``docs/vae.md``).
+    rows are split along height (``docs/vae.md``). ``cfg``: what a "cfg" mesh axis divides: "batch" (default:
+    each call's batch, both guidance branches in one call, as "dp") or "pairs" (the program is replicated over
+    it; ``parallelize`` runs a pipeline's two guidance calls of a step at once on its halves, see
+    ``docs/pipelines.md``).
     """
     start = time.perf_counter()
     check_fingerprint(input_fingerprint)
     spec, groups = mesh_with_groups(mesh, rank, timeout, programs)
+    spec = dataclasses.replace(spec, cfg=cfg)
     buckets = parse_buckets(buckets)
 
     def partition_with(traced: Traced) -> Partitioned:
@@ -101,7 +106,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
-                   input_fingerprint=input_fingerprint, method=method, programs=programs)
+                   input_fingerprint=input_fingerprint, method=method, programs=programs, cfg=cfg)
     if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
         options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
     with method_as_forward(model, method):

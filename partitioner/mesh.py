@@ -29,6 +29,10 @@ BATCH_AXES = ("dp", "cfg")  # data parallelism; "cfg" names it for classifier-fr
 SEQUENCE_AXES = ("ring", "ulysses")  # sequence parallelism: ring attention, Ulysses all-to-all (innermost)
 KNOWN_AXES = ("tp",) + SEQUENCE_AXES + BATCH_AXES
 PROGRAMS = ("rank", "global")
+# What a "cfg" axis divides: "batch", each call's batch (both guidance branches in one call, as data parallelism);
+# "pairs", the two calls of a step of a pipeline that guides by calling its denoiser once per branch
+# (``runtime.guidance_pairs``): each half of the axis runs one of them, so the program is replicated over it.
+CFG_MODES = ("batch", "pairs")
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,22 @@ class MeshSpec:
     group_names: Mapping[str, str] | None  # None: planning only
     device_type: str = "cpu"
     programs: str = "rank"  # "rank": one program per rank, this package's collectives; "global": XLA SPMD
+    cfg: str = "batch"  # what a "cfg" axis divides (CFG_MODES)
 
     def __post_init__(self):
         if self.programs not in PROGRAMS:
             raise MeshError(f"programs={self.programs!r}: use one of {list(PROGRAMS)}")
+        if self.cfg not in CFG_MODES:
+            raise MeshError(f"cfg={self.cfg!r}: use one of {list(CFG_MODES)} ('batch': a cfg axis splits each call's "
+                            "batch; 'pairs': its halves run a pipeline's two guidance calls at once)")
+        if self.cfg == "pairs" and self.size("cfg") == 1:
+            raise MeshError(f"cfg='pairs' runs a pipeline's two guidance calls on the halves of a cfg axis, and the "
+                            f"mesh {self.sizes} has none of size > 1")
+
+    @property
+    def pairs_calls(self) -> bool:
+        """The cfg axis runs two calls at once, one per half: the program itself is replicated over it."""
+        return self.cfg == "pairs"
 
     @property
     def world_size(self) -> int:

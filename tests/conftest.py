@@ -20,6 +20,8 @@ SLOW = {
     "test_full_h3_structure": ("test_partition_is_fast",),
     "test_functional_graphs": ("test_cogvideox_and_cogview4_rotate_in_place_and_stay_exact",
         "test_every_write_pattern_is_exact_on_every_rank", "test_negative_control_carrying_the_write_unseen_is_wrong",),
+    "test_guidance_pairs": ("test_two_call_guidance_runs_both_calls_at_once_and_stays_exact[wan-cfg2xtp2]",
+        "test_two_call_guidance_runs_both_calls_at_once_and_stays_exact[qwen_image-cfg2xulysses2]",),
     "test_hoist_host": ("test_bound_defaults_to_what_export_knows",
         "test_device_graph_is_static_and_fed_by_explicit_transfers", "test_dumps_show_prologue_and_device_graph",
         "test_each_data_dependent_op_is_hoisted_and_exact", "test_every_step_matches_single_device_without_retracing",

@@ -127,27 +127,6 @@ def test_pipeline_matches_the_unpartitioned_pipeline_on_every_rank(pools, name, 
             assert found["split"] > 0 or (math.prod(shape) > 2 and found["idle"] == ["ring"]), (component, found)
 
 
-def _refused_cfg(rank, world):
-    import partitioner
-    from partitioner.errors import PartitionError
-    from partitioner.testing.pipelines import run
-
-    pipe = partitioner.parallelize(_build("wan"), _mesh((world,), ("cfg",)))
-    try:
-        run(pipe, "wan")
-    except PartitionError as error:
-        return str(error), pipe.transformer.is_partitioned
-    return None, pipe.transformer.is_partitioned
-
-
-def test_a_cfg_axis_over_one_call_per_guidance_branch_is_refused_at_the_first_call(pools):
-    for message, partitioned in pools[2].run(_refused_cfg):
-        assert not partitioned and message is not None
-        assert message.startswith("WanPipeline.transformer: the mesh's cfg=2 axis splits the batch"), message
-        assert "calls WanTransformer3DModel with a batch of 1 (hidden_states[1, 4, 2, 4, 4])" in message
-        assert "Drop 'cfg' from the mesh" in message
-
-
 def _flux_call_inputs(pipe):
     """The transformer's inputs as FluxPipeline builds them for CALLS["flux"] (48 image rows, 12 text rows)."""
     g = torch.Generator().manual_seed(3)

@@ -44,6 +44,10 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     degree = ctx.mesh.size(axis)
     seeds: dict[Node, int] = {}
+    if degree > 1 and ctx.mesh.pairs_calls:  # its halves run other calls: every value replicated over it
+        ctx.batch_split.update({node.name: BatchSplit(False, "the cfg axis runs guidance calls in pairs (cfg='pairs')")
+                                for node, gi in ctx.placeholder_inputs(gm).items() if gi.kind == "user"})
+        degree = 1
     if degree > 1:
         batch, output = _batch_size(gm)
         if batch < degree:

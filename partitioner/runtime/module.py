@@ -24,11 +24,12 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from typing import Callable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import InputError, TraceError
+from ..errors import InputError, InvariantError, TraceError
 from ..frontend.padding import pad_named
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, leaf_key, same_constant, value_digest
@@ -134,9 +135,49 @@ class PartitionedModule(torch.nn.Module):
         """Every check a call can fail (its mode, binding its arguments, padding to buckets, choosing or checking the
         program) runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and
         every rank builds a shape specialisation on the same call."""
-        owner = self._partitioned.model_name
+        call = self._prepare(args, kwargs)
+        self._partitioned.guard.agree(call.problem, describe=call.describe, **call.agreement)
+        if call.compiled is None:
+            compiled = self._specialize(call.bucketed)  # every rank builds it, and compares its plan
+            self._remember(call.key, compiled)
+            return compiled(*args, **kwargs)
+        self._remember(call.key, call.compiled)
+        return call.compiled.run(call.checked)
+
+    def call_pair(self, first: tuple[tuple, dict], second: tuple[tuple, dict], member: int | None):
+        """Two calls, ``(args, kwargs)`` each, that every rank checks and agrees on together; this rank runs the one
+        at index ``member`` (None: neither) and returns its output. The halves of a cfg axis run a guidance pair
+        this way (``runtime.guidance_pairs``): the program is replicated over that axis, so each half's collectives
+        stay within it. A shape specialisation either call needs is built by every rank first, in order."""
         guard = self._partitioned.guard
-        guard.check_usable()
+        with guard.exclusive():
+            guard.check_usable()
+            for _ in range(3):  # agree; build the missing specialisations on every rank; agree again
+                calls = [self._prepare(*first), self._prepare(*second)]
+                problem = next((call.problem for call in calls if call.problem is not None), None)
+                guard.agree(problem, describe=lambda: "; ".join(f"{which} call: {call.describe()}" for which, call
+                                                                in zip(("first", "second"), calls) if call.describe),
+                            **_paired_agreement(calls))
+                if all(call.compiled is not None for call in calls):
+                    break
+                built = {}
+                for call in calls:
+                    if call.compiled is None and call.key not in built:
+                        built[call.key] = self._specialize(call.bucketed)
+                        self._remember(call.key, built[call.key])
+            else:
+                raise InvariantError(f"{self._partitioned.model_name}: a paired call found no program after "
+                                     "specialising for both")
+            for call in calls:
+                self._remember(call.key, call.compiled)
+            if member is None:
+                return None
+            return calls[member].compiled.run(calls[member].checked)
+
+    def _prepare(self, args, kwargs) -> "_Prepared":
+        """A call checked on this rank, before any collective: the program it runs (None: a specialisation is
+        needed), its checked arguments, what the ranks compare, or the problem every rank must learn."""
+        owner = self._partitioned.model_name
         compiled = checked = bucketed = key = problem = None
         agreement, describe = dict(signature=0), None
         try:
@@ -171,13 +212,9 @@ class PartitionedModule(torch.nn.Module):
             problem = error
         except Exception as error:  # still a rejection, on every rank
             problem = InputError(f"{owner}: checking this call's inputs failed: {type(error).__name__}: {error}")
-        guard.agree(problem, describe=describe, **agreement)
-        if compiled is None:
-            compiled = self._specialize(bucketed)  # every rank builds it, and compares its plan
-            self._remember(key, compiled)
-            return compiled(*args, **kwargs)
-        self._remember(key, compiled)
-        return compiled.run(checked)
+        if problem is not None:
+            compiled, agreement = None, dict(signature=0)
+        return _Prepared(compiled, checked, bucketed, key, agreement, describe, problem)
 
     def _remember(self, key, compiled: CompiledPartition) -> None:
         self._cache[key] = compiled
@@ -244,6 +281,29 @@ class PartitionedModule(torch.nn.Module):
         others = [key for key, compiled in self._cache.items() if compiled is not self._first]
         for key in others[:max(0, len(others) - self.max_specializations)]:
             del self._cache[key]
+
+
+class _Prepared(NamedTuple):
+    """A call checked on this rank (``PartitionedModule._prepare``)."""
+    compiled: CompiledPartition | None  # the program it runs; None: a shape specialisation is needed (or a problem)
+    checked: object  # the program's checked arguments
+    bucketed: dict | None  # its arguments padded to the buckets (to build a specialisation from)
+    key: tuple | None  # the program's key in the cache
+    agreement: dict  # what the ranks compare (CallGuard.agree's keywords)
+    describe: Callable[[], str] | None  # the call's shapes in words
+    problem: InputError | None  # why this rank rejects the call
+
+
+def _paired_agreement(calls: list[_Prepared]) -> dict:
+    """What the ranks compare for two calls taken together (every rank, whichever it runs)."""
+    if any(call.problem is not None for call in calls):
+        return dict(signature=0)
+    merged = dict(signature=call_signature([call.agreement["signature"] for call in calls]), values=[], exact=set(),
+                  marker=" | ".join(call.agreement.get("marker", "") for call in calls))
+    for which, call in zip(("first", "second"), calls):
+        merged["values"] += [(f"{which}.{name}", value) for name, value in call.agreement.get("values", [])]
+        merged["exact"] |= {f"{which}.{name}" for name in call.agreement.get("exact", ())}
+    return merged
 
 
 def _register_parameter(root: torch.nn.Module, name: str, parameter: torch.nn.Parameter, owner: str) -> None:

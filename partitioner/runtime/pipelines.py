@@ -114,17 +114,21 @@ class LazyPartition(torch.nn.Module):
         hooks. The partition runs no cache hook, so this is a no-op, as diffusers' is without one; before the first
         call a model with hooks gets its own context."""
         model = self._model
-        if model is not None and hasattr(model, "_diffusers_hook") and hasattr(model, "cache_context"):
-            with model.cache_context(name, **kwargs):
-                yield
-            return
+        outer, self.__dict__["_context"] = self.__dict__.get("_context"), name  # the guidance branch a call is in
         try:
-            from diffusers.hooks.hooks import CacheContext
-        except ImportError:
-            CacheContext = None
-        if CacheContext is not None:
-            CacheContext(name, **kwargs)  # the same arguments as diffusers accepts
-        yield
+            if model is not None and hasattr(model, "_diffusers_hook") and hasattr(model, "cache_context"):
+                with model.cache_context(name, **kwargs):
+                    yield
+                return
+            try:
+                from diffusers.hooks.hooks import CacheContext
+            except ImportError:
+                CacheContext = None
+            if CacheContext is not None:
+                CacheContext(name, **kwargs)  # the same arguments as diffusers accepts
+            yield
+        finally:
+            self.__dict__["_context"] = outer
 
     def _reset_stateful_cache(self, recurse: bool = True) -> None:
         """What a pipeline calls after its loop (``maybe_free_model_hooks``): resets the model's cache hooks, if any."""
@@ -237,41 +241,59 @@ class LazyPartition(torch.nn.Module):
             from ..api import partition
 
             model = self._model.train(self.training)  # traced in the mode the stand-in was put in
-            self._refuse_idle_batch_axis(model, args, kwargs)
-            partitioned = partition(model, self._mesh, (args, kwargs), **self._options)
+            pairs = self._pairs_guidance_calls(model, args, kwargs)
+            partitioned = partition(model, self._mesh, (args, kwargs), **self._options,
+                                    **({"cfg": "pairs"} if pairs else {}))
             if self._checkpoint is not None:
                 partitioned.load_weights(self._checkpoint)
             self.__dict__["_module"] = partitioned.compile(self._backend, **self._compile_options)
+            if pairs:
+                from .guidance_pairs import GuidancePairs
+
+                self.__dict__["_pairs"] = GuidancePairs(self._module, inspect.signature(model.forward), self._where)
             # the partition holds this rank's shards; attribute reads go to the skeleton (the model rebuilt on meta)
             self.__dict__["_skeleton"] = partitioned.skeleton if partitioned.skeleton is not None else model
             self.__dict__["_model"] = None
-        return self._module.train(self.training)(*args, **kwargs)  # (another mode than the trace's is refused)
+        module = self._module.train(self.training)  # (another mode than the trace's is refused)
+        pairs = self.__dict__.get("_pairs")
+        if pairs is not None:
+            return pairs.call(args, kwargs, self.__dict__.get("_context"))
+        return module(*args, **kwargs)
 
-    def _refuse_idle_batch_axis(self, model, args, kwargs) -> None:
-        """A batch (cfg / dp) axis splits each call's batch: a pipeline that runs classifier-free guidance as one
-        call per branch (batch 1) would leave its ranks computing the same rows. Refused before any tracing."""
+    @property
+    def guidance_pairs(self):
+        """How a cfg axis serves a pipeline that calls the denoiser once per guidance branch (``GuidancePairs``:
+        ``paired``, ``served``, ``calls``); None when the cfg axis splits each call's batch, or before the first
+        call."""
+        return self.__dict__.get("_pairs")
+
+    def _pairs_guidance_calls(self, model, args, kwargs) -> bool:
+        """Whether a cfg axis runs this denoiser's calls in guidance pairs: the call's batch is smaller than the axis,
+        as a pipeline's that runs classifier-free guidance as one call per branch (conditional, then
+        unconditional). A batch at least the axis's size splits as data parallelism does; a dp axis over a smaller
+        batch is refused before any tracing (its ranks would compute the same rows)."""
         from ..mesh import BATCH_AXES
 
         sizes = _mesh_sizes(self._mesh)
         axis = next((name for name in sizes if name in BATCH_AXES and sizes[name] > 1), None)
-        if axis is None:
-            return
+        if axis is None or self._options.get("cfg") is not None:
+            return False
         try:
             bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
         except TypeError:
-            return  # the call itself is wrong: partition says how
+            return False  # the call itself is wrong: partition says how
         name, value = next(((n, v) for n, v in bound.items() if isinstance(v, torch.Tensor) and v.dim() > 0),
                            (None, None))
         if value is None or value.shape[0] >= sizes[axis]:
-            return
+            return False
+        if axis == "cfg" and not isinstance(self._mesh, Mapping):
+            return True
         owner = self._where.split(".")[0]
         raise PartitionError(
             f"{self._where}: the mesh's {axis}={sizes[axis]} axis splits the batch of each transformer call, and "
-            f"{owner} calls {self._model_name} with a batch of {value.shape[0]} ({name}{list(value.shape)}), as a "
-            f"pipeline does that runs classifier-free guidance as one call per branch (conditional, then "
-            f"unconditional) or runs none: the {axis} ranks would have no rows of their own. Drop {axis!r} from the "
-            "mesh and give its devices to tp or ulysses, or use a pipeline that batches both branches in one call "
-            "(StableDiffusion3Pipeline does)")
+            f"{owner} calls {self._model_name} with a batch of {value.shape[0]} ({name}{list(value.shape)}): the "
+            f"{axis} ranks would have no rows of their own. Drop {axis!r} from the mesh and give its devices to tp or "
+            "ulysses; a cfg axis instead runs a pipeline's two guidance calls of a step at once")
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
