@@ -179,24 +179,24 @@ def mesh_with_groups(mesh, rank: int, timeout: float, programs: str = "rank"):
 
 def plan(model, mesh, example_inputs, *, plan: dict[str, str] | None = None, bounds: dict[str, int] | None = None,
          buckets: dict | None = None, overlap: bool | dict = True, rank: int = 0, dump_dir=None,
-         method: str = "forward", programs: str = "rank") -> Plan:
+         method: str = "forward", programs: str = "rank", cfg: str = "batch") -> Plan:
     """The decisions ``partition(model, mesh, example_inputs, ...)`` takes, as a ``Plan``: the same trace and
     planning passes, stopped before this rank's program is built. A DeviceMesh (real or PyTorch's fake process
     group) and axis sizes alike plan the rank programs a mesh of those sizes runs; ``programs="global"`` (axis
     sizes) XLA's global program, exactly as ``partition`` does. No process group is used or created, nothing is
     compared between ranks, and no weights are needed (a meta model plans as well)."""
     ctx = planned(model, mesh, example_inputs, plan=plan, bounds=bounds, buckets=buckets, overlap=overlap, rank=rank,
-                  dump_dir=dump_dir, method=method, programs=programs)
+                  dump_dir=dump_dir, method=method, programs=programs, cfg=cfg)
     warn_whole_attentions(ctx)
     warn_unsplit_linears(ctx)
     return Plan.of(ctx)
 
 
 def planned(model, mesh, example_inputs, *, plan=None, bounds=None, buckets=None, overlap=True, rank=0,
-            dump_dir=None, method="forward", programs="rank"):
+            dump_dir=None, method="forward", programs="rank", cfg="batch"):
     """The planning passes' context for ``plan(...)``'s arguments: the typed decisions ``Plan`` records, and what
     it leaves out (``planning.coverage`` reads which attentions and Linears are split, and why not)."""
-    spec, buckets = as_mesh_spec(mesh, rank, programs), parse_buckets(buckets)
+    spec, buckets = dataclasses.replace(as_mesh_spec(mesh, rank, programs), cfg=cfg), parse_buckets(buckets)
     with method_as_forward(model, method):
         return trace_bucketed(model, example_inputs, buckets, lambda traced: decide(
             traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir, bounds=bounds, buckets=buckets,

@@ -41,6 +41,7 @@ class Partitioned:
         # DeviceMesh rank keeps only its shards, so the model can be freed.
         self.global_state = traced.state if not ctx.mesh.runnable else None
         self.checkpoint = None  # (path, strict) of the last load_weights
+        self.weights_version = 0  # counts the changes of this rank's weights (load_weights, train_weights)
         self.guard = CallGuard(None, ctx.mesh.device)  # replaced by partition() on process groups
         self.trainable = False  # the model had weights that require grad (partition() sets it)
         self.traced_training = False  # the model's mode when traced: a call in the other mode is refused
@@ -85,6 +86,7 @@ class Partitioned:
                 torch.utils.swap_tensors(weight, torch.nn.Parameter(staged[name].to(weight.dtype)))
                 staged[name] = weight
         self.state = staged
+        self.weights_version += 1
         self.checkpoint = (path, strict)
         for child in [ref() for ref in self._children]:  # shape specialisations share the weights
             if child is not None:
@@ -110,6 +112,7 @@ class Partitioned:
     def train_weights(self, names) -> None:
         """This rank's tensors of the weights ``names`` (those the model marks to train) as parameters, sharded as the
         weights are, copies (an optimizer stepping them must not write into the model's own weights)."""
+        self.weights_version += 1
         for name in set(names) & self.state.keys():
             if not isinstance(self.state[name], torch.nn.Parameter):
                 self.state[name] = torch.nn.Parameter(self.state[name].clone(), requires_grad=True)

@@ -63,15 +63,23 @@ class _OneProcess(GuidancePairs):
     """The pairing protocol in one process: a pair computes both calls here, an agreement is a no-op."""
 
     def __init__(self):
+        import contextlib
         import inspect
+        from types import SimpleNamespace
 
         self.module = self
         self.signature, self.where, self.size, self.coordinate = inspect.signature(_model), "test", 2, 0
         self.pair = self.last = self.last_difference = self.held = None
         self.calls = self.served = self.paired = 0
+        self.partitioned = SimpleNamespace(weights_version=0, mesh=SimpleNamespace(device_type="cpu"), trainable=False)
+        self.training = False
+        self.guard = SimpleNamespace(exclusive=contextlib.nullcontext)
 
     def __call__(self, *args, **kwargs):  # (as the module)
         return _model(*args, **kwargs)
+
+    def has_program(self, args, kwargs):
+        return True
 
     def call_pair(self, first, second, member):
         self.pending = [_model(*call[0], **call[1]) for call in (first, second)]
@@ -112,6 +120,35 @@ def test_the_pattern_is_learnt_from_names_or_values_and_every_output_is_the_mode
     _steps(pairs, 3, branches=("cond", "uncond", "skip"), named=named,
            texts={"cond": torch.ones(3), "uncond": torch.zeros(3), "skip": torch.full((3,), 2.0)})
     assert pairs.served - served <= 3  # whatever is served, every output above was the model's
+
+
+@pytest.mark.parametrize("change", ["weights", "mode", "autocast", "gradients"])
+def test_a_change_of_state_after_the_pair_ran_is_not_served_stale(change):
+    """Weights loaded, another mode, autocast or a call recording gradients between the two calls: the second is
+    computed (here the stub's model ignores them; what is checked is that nothing was served)."""
+    pairs = _OneProcess()
+    x = _steps(pairs, 2)
+    t, cond, uncond = torch.tensor(0.25), torch.ones(3), torch.zeros(3)
+    pairs.call((x, t, cond), {}, "cond")
+    assert pairs.held is not None
+    served = pairs.served
+    if change == "weights":
+        pairs.partitioned.weights_version += 1
+    elif change == "mode":
+        pairs.training = True
+    if change == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pairs.call((x, t, uncond), {}, "uncond")
+    elif change == "gradients":
+        pairs.call((x.requires_grad_(), t, uncond), {}, "uncond")
+    else:
+        pairs.call((x, t, uncond), {}, "uncond")
+    assert pairs.served == served
+
+
+def test_negative_zero_is_not_zero():
+    assert not same_value(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert same_value(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
 
 
 def test_an_edit_in_place_after_the_pair_ran_is_not_served_stale():
@@ -172,6 +209,11 @@ def _pairs_on_ranks(rank, world, name, shape, names, swap=False):
     result["other negative prompt"] = errors(run(pipe, name, **other), run(reference, name, **other))
     result["served with another negative prompt"] = pairs.served - served_before
     served_before = pairs.served
+    from partitioner.testing.pipelines import OTHER_SIZE  # another size: the first prediction has no program
+
+    result["other size"] = errors(run(pipe, name, **OTHER_SIZE[name]), run(reference, name, **OTHER_SIZE[name]))
+    result["served at another size"] = pairs.served - served_before
+    served_before = pairs.served
     one_call = {SCALE[name]: 1.0}
     result["guidance scale 1"] = errors(run(pipe, name, **one_call), run(reference, name, **one_call))
     result["served at scale 1"] = pairs.served - served_before
@@ -203,12 +245,13 @@ def test_two_call_guidance_runs_both_calls_at_once_and_stays_exact(pools, name, 
         if names == ("cfg",):
             assert max(result["first"][:-1]) == 0, (rank, result["first"])  # the latents: bitwise
         assert result["counts"] == (6, 2, 2), (rank, result["counts"])  # calls, pairs, served
-        for case in ("other negative prompt", "guidance scale 1"):
+        for case in ("other negative prompt", "guidance scale 1", "other size"):
             assert max(result[case]) <= TOLERANCE, (rank, case, result[case])
         assert result["callback edits latents"] <= TOLERANCE, (rank, result)
         assert result["served at scale 1"] == 0, (rank, result)
         # another negative prompt misses once, at the first step; an edit of the latents between steps never does
         assert result["served with another negative prompt"] == 2 and result["served when edited"] == 2, (rank, result)
+        assert result["served at another size"] == 2, (rank, result)  # its first step specialises, computed alone
         assert result["served"] >= 3 and result["bitwise"], (rank, result)
 
 

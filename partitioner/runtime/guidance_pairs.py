@@ -35,7 +35,9 @@ import torch.utils._pytree as pytree
 
 from ..errors import CollectiveTimeout, PartitionWarning
 from .fingerprints import call_signature, leaf_key
-from .rank_groups import first_line
+from .gradients import wants_gradients
+from .program import autocast_dtype
+from .rank_groups import first_line, forget
 
 
 def same_value(a, b) -> bool:
@@ -48,11 +50,22 @@ def same_value(a, b) -> bool:
     for x, y in zip(leaves_a, leaves_b):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.shape != y.shape \
-                    or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
+                    or x.dtype != y.dtype or x.device != y.device or not torch.equal(_bits(x), _bits(y)):
                 return False
         elif x is not y and not (isinstance(leaf_key(x), str) and leaf_key(x) == leaf_key(y)):
             return False  # (leaf_key is a repr only for plain values: numbers, strings, None, enums, dtypes)
     return True
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating tensor's elements as integers of the same size: equal only where bitwise equal (-0.0 is not 0.0,
+    which 1 / t tells apart; NaNs of the same bits are equal)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return tensor
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[tensor.element_size()]
+    flat = tensor.detach().contiguous()
+    return (torch.view_as_real(flat) if flat.is_complex() else flat).view(
+        integer if not flat.is_complex() else {8: torch.int32, 16: torch.int64}[tensor.element_size()])
 
 
 def snapshot(named: dict) -> dict:
@@ -77,9 +90,11 @@ class _Call:
 
 @dataclass
 class _Held:
-    """A second call computed ahead: its predicted arguments (copied when it ran) and its output."""
+    """A second call computed ahead: its predicted arguments (copied when it ran), its output, and the state it
+    ran in (``GuidancePairs._state``)."""
     predicted: dict
     output: object
+    state: tuple
 
 
 def differing(first: dict, second: dict) -> int:
@@ -124,26 +139,36 @@ class GuidancePairs:
         bound.apply_defaults()
         named = dict(bound.arguments)
         held, self.held = self.held, None
-        if held is not None and all(name in held.predicted and same_value(value, held.predicted[name])
-                                    for name, value in named.items()):
+        state = self._state(named)
+        if held is not None and held.state == state and all(
+                name in held.predicted and same_value(value, held.predicted[name]) for name, value in named.items()):
             self._agree_served(named)
             self.served += 1
             self._observe(_Call(held.predicted, context))
             return held.output
-        if held is None and self._starts_pair(named, context):
+        if held is None and state[-1] is False and self._starts_pair(named, context):
             predicted = snapshot(predict(self.pair[0].named, self.pair[1].named, named))
             call = inspect.BoundArguments(self.signature, predicted)  # back to positional and keyword arguments
-            member = self.coordinate if self.coordinate < 2 else None
-            mine = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
-            first, second = self._exchange(mine)
-            self.paired += 1
-            now = _Call(snapshot(named), context)
-            self.held = _Held(predicted, second)
-            self._observe(now)
-            return first
-        output = self.module(*args, **kwargs)  # alone: learning the pattern, or a miss
+            if self.module.has_program(call.args, call.kwargs):  # (a prediction is never worth a specialisation)
+                member = self.coordinate if self.coordinate < 2 else None
+                with self.guard.exclusive():
+                    mine = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
+                    first, second = self._exchange(mine)
+                self.paired += 1
+                self.held = _Held(predicted, second, state)
+                self._observe(_Call(snapshot(named), context))
+                return first
+        output = self.module(*args, **kwargs)  # alone: learning the pattern, a miss, or a call recording gradients
         self._observe(_Call(snapshot(named), context))
         return output
+
+    def _state(self, named: dict) -> tuple:
+        """What a call's output depends on besides its arguments: the weights (their version), the module's mode,
+        autocast; and whether the call records gradients (then it is never paired or served: the other half's
+        output carries no autograd graph here)."""
+        partitioned = self.module.partitioned
+        return (partitioned.weights_version, self.module.training, autocast_dtype(partitioned.mesh.device_type),
+                wants_gradients(pytree.tree_leaves(named), partitioned.trainable))
 
     def _starts_pair(self, named: dict, context: str | None) -> bool:
         if self.pair is None:
@@ -197,6 +222,7 @@ class GuidancePairs:
                 outputs.append(output)
         except RuntimeError as error:
             self.guard.broken = f"the guidance pair's exchange failed: {first_line(error)}"
+            forget(self.guard.groups)
             raise CollectiveTimeout(f"{self.where}: the halves of the cfg axis did not exchange a guidance pair's "
                                     f"outputs within {self.guard.groups.timeout:g} s ({first_line(error)})") from error
         return outputs

@@ -276,7 +276,9 @@ class LazyPartition(torch.nn.Module):
 
         sizes = _mesh_sizes(self._mesh)
         axis = next((name for name in sizes if name in BATCH_AXES and sizes[name] > 1), None)
-        if axis is None or self._options.get("cfg") is not None:
+        if self._options.get("cfg") is not None:  # asked for: "pairs", or "batch" (then refused if it cannot split)
+            return self._options.pop("cfg") == "pairs"
+        if axis is None:
             return False
         try:
             bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
