@@ -307,3 +307,54 @@ def test_fractional_upsampling_is_refused():
     source, node = _upsampling(6, 9, output_size=[9, 10])
     with pytest.raises(Unshardable, match="not a whole factor"):
         nearest_upsampling(node, {source: Shard(2)}, 2)
+
+
+class _VideoIdioms(torch.nn.Module):
+    """What the video VAEs of diffusers write besides AutoencoderKL's ops: torch.concatenate of a causal time pad (LTX,
+    LTX-2, Magvit), x.movedim(1, -1) around a channel norm (LTX, DC-AE), an eval-mode batch norm (DC-AE), a
+    nearest interpolation to another value's size (KVAE's spatial norm) and an attention over every pixel with a 3-D
+    causal mask (HunyuanVideo 1.5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(4, 4, 3, padding=(0, 1, 1))
+        self.norm = torch.nn.RMSNorm(4)
+        self.batch_norm = torch.nn.BatchNorm3d(4)
+        self.q, self.k, self.v = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):  # [B, C, T, H, W]
+        x = self.conv(torch.concatenate([x[:, :, :1].repeat(1, 1, 2, 1, 1), x], dim=2))
+        x = self.batch_norm(self.norm(x.movedim(1, -1)).movedim(-1, 1))
+        x = x * torch.nn.functional.interpolate(x[:, :, :, ::1], size=x.shape[2:], mode="nearest").sigmoid()
+        b, c, t, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)  # [B, T*H*W, C], one head
+        rows = tokens.shape[1]
+        mask = torch.zeros(rows, rows).masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
+        q, k, v = (f(tokens).unsqueeze(1) for f in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(b, -1, -1))
+        return out.squeeze(1).transpose(1, 2).reshape(b, c, t, h, w)
+
+
+def _video_idioms(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    net = _VideoIdioms().eval()
+    with torch.no_grad():
+        net.batch_norm.running_mean.normal_()
+        net.batch_norm.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 4, 1, 7, 6, generator=torch.Generator().manual_seed(1))
+    partitioned = partitioner.partition(net, init_device_mesh("cpu", (world,), mesh_dim_names=("ring",)), ((x,), {}))
+    with torch.no_grad():
+        error = (partitioned.compile()(x) - net(x)).abs().max().item()
+    return error, dict(partitioned.collective_counts())
+
+
+def test_video_vae_idioms_split_with_one_gather(pools):
+    """Each idiom used to gather the whole activation (concatenate, concat and movedim had no rule under those
+    names, batch norm none at all), end in an InvariantError (the interpolation kept its global size) or fail at
+    run time (ring attention handed the 3-D mask to a kernel taking 2 or 4 dims)."""
+    for rank, (error, counts) in enumerate(pools[2].run(_video_idioms)):
+        assert error <= TOLERANCE, (rank, error)
+        assert counts[("all_gather", "ring")] == 1 and counts[("halo_exchange", "ring")] == 1, (rank, counts)
+        assert counts[("ring_pass", "ring")] == 1, (rank, counts)

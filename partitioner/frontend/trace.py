@@ -184,12 +184,31 @@ def _drop_legacy_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, fu
             _erase_unread(gm, operand)
 
 
+_CAT_ALIASES = (torch.ops.aten.concatenate.default, torch.ops.aten.concat.default)
+_MOVEDIM = (torch.ops.aten.movedim.int, torch.ops.aten.movedim.intlist)
+
+
+def movedim_as_permute(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int]]:
+    """``movedim(x, source, destination)`` as ``permute(x, dims)``: output dim ``d`` reads input dim ``dims[d]``."""
+    x, source, destination = node.args[:3]
+    rank = x.meta["val"].dim()
+    source = [s % rank for s in (source if isinstance(source, (list, tuple)) else [source])]
+    destination = [d % rank for d in (destination if isinstance(destination, (list, tuple)) else [destination])]
+    dims = [-1] * rank
+    for s, d in zip(source, destination):
+        dims[d] = s
+    rest = iter(i for i in range(rank) if i not in source)
+    return x, [d if d != -1 else next(rest) for d in dims]
+
+
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     """Remove what export leaves that describes the trace rather than the model: ``_assert_tensor_metadata`` checks
     (they pin the trace-time device, meta or cpu); ``aten.to.dtype`` to the dtype a value has (H3 casts its rotary
     tables so in every block, and later blocks read the first block's cast: their code would differ); eval-mode
     dropouts, and clones that keep a contiguous value's layout in a graph without in-place writes (functionalization
-    leaves one per dropout): copies the model never asked for (a clone the graph returns stays: the caller owns it)."""
+    leaves one per dropout): copies the model never asked for (a clone the graph returns stays: the caller owns it).
+    Ops export keeps under another name are given the one the rules know: ``concatenate`` and ``concat`` are
+    ``cat``, ``movedim`` a ``permute``."""
     functional = not _writes_in_place(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -205,6 +224,10 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         elif node.target is torch.ops.aten.cat.default:
             _drop_legacy_empty_operands(gm, node, functional)
+        elif node.target in _CAT_ALIASES:  # torch.concatenate / torch.concat: cat by another name (LTX's VAEs)
+            node.target = torch.ops.aten.cat.default
+        elif node.target in _MOVEDIM:  # a view the rules know as permute (x.movedim(1, -1) before a norm)
+            node.target, node.args, node.kwargs = torch.ops.aten.permute.default, movedim_as_permute(node), {}
     gm.graph.lint()
     gm.recompile()
 

@@ -22,6 +22,7 @@ from ..errors import InvariantError
 from ..placement import PackedShard, is_sharded, local_shape, shard_slices
 from ..rules.conv import GROUPS_ARGUMENT, groups_of
 from ..rules.pointwise import SIZE_ARGUMENT
+from ..rules.spatial import NEAREST
 from ..rules.views import block_range
 from ..runtime import collectives
 from .context import PassContext
@@ -97,6 +98,8 @@ def _localize_sizes(node: Node, mesh) -> None:
             if before + 1 < len(widths) and out - source != widths[before] + widths[before + 1]:
                 widths[before if widths[before] else before + 1] = out - source
         node.args = (node.args[0], widths, *node.args[2:])
+    elif node.target in NEAREST and len(node.args) > 1 and node.args[1] is not None:  # F.interpolate(size=...)
+        node.args = (node.args[0], list(_expected_local(node, mesh)[-NEAREST[node.target]:]), *node.args[2:])
     elif node.target is aten.expand.default:
         local = _expected_local(node, mesh)
         node.args = (node.args[0], [s if s == -1 else local[i] for i, s in enumerate(node.args[1])])

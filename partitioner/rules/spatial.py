@@ -8,7 +8,8 @@ spatial dim (height by default):
   rows scale to rank ``r``'s rows, so a shard in units of ``u`` rows becomes one in units of ``u * factor`` (a
   split 4 + 3 of 7 latent rows is 8 + 6 of 14); interpolating modes (linear to bicubic) too, each rank borrowing
   the one or two rows past its own that its last output rows read (``collectives.halo_interpolation``);
-- depth-to-space and space-to-depth (``pixel_shuffle``, ``pixel_unshuffle``) scale rows alike.
+- depth-to-space and space-to-depth (``pixel_shuffle``, ``pixel_unshuffle``) scale rows alike;
+- ``batch_norm`` in eval mode scales each channel by its running statistics: any split but the channels' passes.
 """
 
 from __future__ import annotations
@@ -50,13 +51,27 @@ def make_sequence_group_norm(roles, axis: str | None = None):
 
 register(_GROUP_NORM)(lambda node, placements, axis_size: group_norm(node, placements, axis_size, spatial=False))
 
-_NEAREST = {aten.upsample_nearest1d.vec: 1, aten.upsample_nearest2d.vec: 2, aten.upsample_nearest3d.vec: 3,
+@register(aten.batch_norm.default)
+def batch_norm(node: Node, placements, axis_size: int) -> Decision:
+    """``batch_norm(x, weight, bias, running_mean, running_var, training, ...)`` in eval mode scales each channel by
+    its running statistics: row by row, so a split batch or spatial dim passes (weights whole). In training mode
+    it takes statistics over the batch and every position: refused over any split; so are split channels."""
+    source, training = node.args[0], node.args[5]
+    placement = placements.get(source, R)
+    if is_sharded(placement) and (training or placement.dim == 1):
+        raise Unshardable("batch_norm over " + ("a split value in training mode (its statistics span every row)"
+                                                if training else "split channels"))
+    return same_as_input(node, placements, source)
+
+
+# nearest upsampling ops -> how many trailing spatial dims they scale
+NEAREST = {aten.upsample_nearest1d.vec: 1, aten.upsample_nearest2d.vec: 2, aten.upsample_nearest3d.vec: 3,
             aten._upsample_nearest_exact1d.vec: 1, aten._upsample_nearest_exact2d.vec: 2,
             aten._upsample_nearest_exact3d.vec: 3, aten.upsample_nearest1d.default: 1,
             aten.upsample_nearest2d.default: 2, aten.upsample_nearest3d.default: 3}
 
 
-@register(*_NEAREST)
+@register(*NEAREST)
 def nearest_upsampling(node: Node, placements, axis_size: int) -> Decision:
     """Nearest (or nearest-exact) upsampling: every output row of a sharded dim repeats one input row of the same
     rank when the output is a whole multiple of the input (nearest-exact's half-pixel offset stays inside the
@@ -79,7 +94,7 @@ def nearest_upsampling(node: Node, placements, axis_size: int) -> Decision:
 
 def _factor(node: Node, dim: int) -> float | None:
     """The scale factor the op itself uses for ``dim`` (its index computation follows it, not the sizes), if given."""
-    index = dim - (len(shape_of(node.args[0])) - _NEAREST[node.target])
+    index = dim - (len(shape_of(node.args[0])) - NEAREST[node.target])
     if node.target._overloadname == "vec":
         scales = node.args[2] if len(node.args) > 2 else node.kwargs.get("scale_factors")
     else:

@@ -191,6 +191,8 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     log-sum-exp is still to be used there). ``fused`` overrides the choice (tests). ``mask``: additive, this
     block's columns."""
     wide_q = _wide(q)
+    if mask is not None and mask.dim() < 4:  # as SDPA broadcasts it, aligned to the last dims (the fused kernel
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # takes 2 or 4: HunyuanVideo 1.5's is 3)
     if q.device.type == "cpu" if fused is None else fused:  # (half types widened: merged before any rounding)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(wide_q, _wide(k), _wide(v), 0.0,
                                                                              False, attn_mask=mask, scale=scale)
