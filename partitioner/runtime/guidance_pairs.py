@@ -107,10 +107,12 @@ class GuidancePairs:
     call pattern says a pair is coming. ``signature``: the model's forward signature (to compare calls argument by
     argument). ``calls``, ``paired`` and ``served`` count the calls, the pairs run and the second calls served.
 
-    Which two consecutive calls make a pair: two that differ in no more arguments than the two calls before them
-    did (the two calls of a step differ in the branch's inputs alone, two calls across steps also in the latents
-    and the timestep), and where the pipeline names its branches (``cache_context``), in other branches. A call starts a pair unless it is the branch of the pair's second call (its name; or, unnamed, its
-    value of an argument on which the pair differed is the second call's)."""
+    Which two consecutive calls make a pair: two that differ in no more arguments than the two calls before them did
+    (the two calls of a step differ in the branch's inputs alone, two calls across steps also in the latents and the
+    timestep), and where the pipeline names its branches (``cache_context``), in other branches. A call starts a
+    pair unless it is the branch of the pair's second call (its name; or, unnamed, its value of an argument on which
+    the pair differed is the second call's).
+    """
 
     def __init__(self, module, signature: inspect.Signature, where: str):
         partitioned = module.partitioned

@@ -10,6 +10,7 @@ well under a second or two, and every builder with the same seed gives the same 
 - ``tiny_wan_pipeline(experts=2)``: ``WanPipeline`` (UMT5; guidance as two calls per step, cond then uncond; with
   two experts, ``transformer`` for the high-noise steps and ``transformer_2`` for the rest);
 - ``tiny_qwen_image_pipeline()``: ``QwenImagePipeline`` (Qwen2.5-VL text encoder; true CFG as two calls per step);
+- ``tiny_sd_pipeline()``: ``StableDiffusionPipeline`` (a UNet denoiser, CLIP; guidance is a batch of 2 per call);
 - ``tiny_h3_modular_pipeline()``: MiniMax-H3's modular pipeline with its core denoising blocks (layout, noise, row
   timestep plan, denoising loop over ``transformer``), given prompt embeddings: H3's text encoder and VAEs are not
   built here.
@@ -263,13 +264,35 @@ def tiny_h3_modular_pipeline(seed: int = 0):
     return _quiet(pipe)
 
 
+def tiny_sd_pipeline(seed: int = 0):
+    """``StableDiffusionPipeline`` (SD 1.5's structure): a 2-level ``UNet2DConditionModel`` (a cross-attention
+    down block and up block, 8-channel heads, group norms), CLIP, a 2-level ``AutoencoderKL`` (latents at half the
+    image's size), DDIM; guidance as one call with a batch of 2."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=8, norm_num_groups=8)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(8, 8), layers_per_block=1,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        latent_channels=4, norm_num_groups=4)
+    return _quiet(StableDiffusionPipeline(
+        vae=vae.eval(), text_encoder=_clip_text_encoder(tokenizer, projection=False, seed=seed + 2),
+        tokenizer=tokenizer, unet=unet.eval(), scheduler=DDIMScheduler(), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False))
+
+
 def _quiet(pipe):
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 BUILDERS = {"flux": tiny_flux_pipeline, "sd3": tiny_sd3_pipeline, "wan": tiny_wan_pipeline,
-            "qwen_image": tiny_qwen_image_pipeline, "h3": tiny_h3_modular_pipeline}
+            "qwen_image": tiny_qwen_image_pipeline, "h3": tiny_h3_modular_pipeline, "sd": tiny_sd_pipeline}
 
 # A small request per pipeline: 3 steps, tensors out. Text lengths and image rows are even, so that Ulysses=2 can
 # split every sequence.
@@ -281,13 +304,14 @@ CALLS = {
                 max_sequence_length=12, guidance_scale=5.0),
     "qwen_image": dict(prompt="a red car in the snow", negative_prompt="blurry", true_cfg_scale=4.0, height=32,
                        width=48, max_sequence_length=12),
+    "sd": dict(prompt="a photo of a cat", negative_prompt="blurry", height=32, width=24, guidance_scale=7.5),
     # 124 frames, 5.2 s of video (H3 makes 5 to 15 s), 8x8 pixels: 37 video rows, 414 audio rows, 6 text rows
     "h3": dict(height=8, width=8, num_frames=124),
 }
 # A second request at another resolution (or video length)
 OTHER_SIZE = {"flux": dict(height=16, width=20), "sd3": dict(height=32, width=24),
               "wan": dict(height=32, width=48, num_frames=9), "qwen_image": dict(height=48, width=48),
-              "h3": dict(height=16, width=8)}
+              "h3": dict(height=16, width=8), "sd": dict(height=24, width=32)}
 
 
 def run(pipe, name: str, seed: int = 0, **overrides) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -319,4 +343,4 @@ def run(pipe, name: str, seed: int = 0, **overrides) -> tuple[list[torch.Tensor]
 
 __all__ = ["BUILDERS", "CALLS", "OTHER_SIZE", "clip_tokenizer", "qwen2_tokenizer", "run", "t5_tokenizer",
            "tiny_flux_pipeline", "tiny_h3_modular_pipeline", "tiny_qwen_image_pipeline", "tiny_sd3_pipeline",
-           "tiny_wan_pipeline"]
+           "tiny_sd_pipeline", "tiny_wan_pipeline"]
