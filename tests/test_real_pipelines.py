@@ -12,8 +12,8 @@ denoising step's latents and the decoded output are compared with the unpartitio
 every attention of every program must be sequence-sharded: an exact but replicated run is no parallelism. A second
 request at another resolution (or video length) is served by one shape specialisation per denoiser, counted on
 ``pipe.transformer.specializations``. Every VAE of every pipeline (H3: video and audio) is partitioned too, its
-decode split over every rank of the mesh (halo exchanges or ring attention counted on each rank), and the decoded output is compared as above.
-Ranks seeded differently are refused on every rank (input fingerprints); with the fingerprints off they must come
+decode split over every rank of the mesh (halo exchanges or ring attention counted on each rank), and the decoded
+output is compared as above. Ranks seeded differently are refused on every rank (input fingerprints); with the fingerprints off they must come
 out different (the negative control). Two gloo pools serve every case.
 """
 
