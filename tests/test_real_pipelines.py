@@ -2,19 +2,19 @@
 
 FluxPipeline (CLIP + T5), StableDiffusion3Pipeline (two CLIPs + T5; guidance > 1 as a batch of 2),
 StableDiffusionPipeline (a UNet denoiser: its convolutions' rows split as a VAE's under Ulysses, its attentions
-sequence-sharded; CLIP; guidance as a batch of 2, at Ulysses=2 and cfg=2), WanPipeline (UMT5;
-guidance as two calls per step, two experts: ``transformer`` then ``transformer_2``), QwenImagePipeline (Qwen2.5-VL;
-true CFG as two calls per step) and MiniMax-H3's modular pipeline (its core denoising and decode blocks), each built
-in-process from tiny random components with real tokenizers over a small vocabulary (``partitioner.testing
-.pipelines``), on gloo ranks at TP=2, Ulysses=2 and TP=2 x Ulysses=2, and SD3 at cfg=2 and cfg=2 x TP=2. Every
-denoising step's latents and the decoded output are compared with the unpartitioned pipeline's on every rank
-(1e-4 of their magnitude where it exceeds 1: float32 with sums reordered; measured at most 3e-6). Under Ulysses
-every attention of every program must be sequence-sharded: an exact but replicated run is no parallelism. A second
-request at another resolution (or video length) is served by one shape specialisation per denoiser, counted on
-``pipe.transformer.specializations``. Every VAE of every pipeline (H3: video and audio) is partitioned too, its
-decode split over every rank of the mesh (halo exchanges or ring attention counted on each rank), and the decoded
-output is compared as above. Ranks seeded differently are refused on every rank (input fingerprints); with the fingerprints off they must come
-out different (the negative control). Two gloo pools serve every case.
+sequence-sharded; CLIP; guidance as a batch of 2, at Ulysses=2 and cfg=2), WanPipeline (UMT5; guidance as two calls
+per step, two experts: ``transformer`` then ``transformer_2``), QwenImagePipeline (Qwen2.5-VL; true CFG as two calls
+per step) and MiniMax-H3's modular pipeline (its core denoising and decode blocks), each built in-process from tiny
+random components with real tokenizers over a small vocabulary (``partitioner.testing.pipelines``), on gloo ranks at
+TP=2, Ulysses=2 and TP=2 x Ulysses=2, and SD3 at cfg=2 and cfg=2 x TP=2. Every denoising step's latents and the
+decoded output are compared with the unpartitioned pipeline's on every rank (1e-4 of their magnitude where it exceeds
+1: float32 with sums reordered; measured at most 3e-6). Under Ulysses every attention of every program must be
+sequence-sharded: an exact but replicated run is no parallelism. A second request at another resolution (or video
+length) is served by one shape specialisation per denoiser, counted on ``pipe.transformer.specializations``. Every VAE
+of every pipeline (H3: video and audio) is partitioned too, its decode split over every rank of the mesh (halo
+exchanges or ring attention counted on each rank), and the decoded output is compared as above. Ranks seeded
+differently are refused on every rank (input fingerprints); with the fingerprints off they must come out different
+(the negative control). Two gloo pools serve every case.
 """
 
 from __future__ import annotations
