@@ -71,19 +71,22 @@ class _OneProcess(GuidancePairs):
         self.signature, self.where, self.size, self.coordinate = inspect.signature(_model), "test", 2, 0
         self.pair = self.last = self.last_difference = self.held = None
         self.calls = self.served = self.paired = 0
-        self.partitioned = SimpleNamespace(weights_version=0, mesh=SimpleNamespace(device_type="cpu"), trainable=False)
+        self.partitioned = SimpleNamespace(weights_version=0, mesh=SimpleNamespace(device_type="cpu"), trainable=False,
+                                           trained_parameters=dict)
         self.training = False
         self.guard = SimpleNamespace(exclusive=contextlib.nullcontext)
 
     def __call__(self, *args, **kwargs):  # (as the module)
         return _model(*args, **kwargs)
 
+    programs = True  # whether every call finds a program (False: a prediction would need a specialisation)
+
     def has_program(self, args, kwargs):
-        return True
+        return self.programs
 
     def call_pair(self, first, second, member):
         self.pending = [_model(*call[0], **call[1]) for call in (first, second)]
-        return self.pending[member]
+        return self.pending[member], True
 
     def _exchange(self, mine):
         return self.pending
@@ -146,9 +149,20 @@ def test_a_change_of_state_after_the_pair_ran_is_not_served_stale(change):
     assert pairs.served == served
 
 
+def test_a_prediction_without_a_program_is_not_paired():
+    pairs = _OneProcess()
+    pairs.programs = False
+    _steps(pairs, 4)
+    assert (pairs.paired, pairs.served) == (0, 0)
+
+
 def test_negative_zero_is_not_zero():
     assert not same_value(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert same_value(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert same_value(z.conj(), torch.tensor([1 - 2j, 3 + 1j])) and not same_value(z.conj(), z)
+    assert same_value(torch.ones(2, dtype=torch.complex32), torch.ones(2, dtype=torch.complex32))
+    assert same_value(torch.ones(3, 2).t(), torch.ones(2, 3)) and same_value(torch.tensor(1.5), torch.tensor(1.5))
 
 
 def test_an_edit_in_place_after_the_pair_ran_is_not_served_stale():

@@ -62,10 +62,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     which 1 / t tells apart; NaNs of the same bits are equal)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return tensor
-    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[tensor.element_size()]
-    flat = tensor.detach().contiguous()
-    return (torch.view_as_real(flat) if flat.is_complex() else flat).view(
-        integer if not flat.is_complex() else {8: torch.int32, 16: torch.int64}[tensor.element_size()])
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    real = torch.view_as_real(flat) if flat.is_complex() else flat
+    return real.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[real.element_size()])
 
 
 def snapshot(named: dict) -> dict:
@@ -151,13 +150,18 @@ class GuidancePairs:
         if held is None and state[-1] is False and self._starts_pair(named, context):
             predicted = snapshot(predict(self.pair[0].named, self.pair[1].named, named))
             call = inspect.BoundArguments(self.signature, predicted)  # back to positional and keyword arguments
-            if self.module.has_program(call.args, call.kwargs):  # (a prediction is never worth a specialisation)
+            # both calls run programs that exist (a guessed call is never worth a specialisation)
+            if self.module.has_program(args, kwargs) and self.module.has_program(call.args, call.kwargs):
                 member = self.coordinate if self.coordinate < 2 else None
                 with self.guard.exclusive():
-                    mine = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
-                    first, second = self._exchange(mine)
-                self.paired += 1
-                self.held = _Held(predicted, second, state)
+                    mine, paired = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
+                    if paired:
+                        first, second = self._exchange(mine)
+                if paired:
+                    self.paired += 1
+                    self.held = _Held(predicted, second, state)
+                else:
+                    first = mine
                 self._observe(_Call(snapshot(named), context))
                 return first
         output = self.module(*args, **kwargs)  # alone: learning the pattern, a miss, or a call recording gradients
@@ -169,7 +173,9 @@ class GuidancePairs:
         autocast; and whether the call records gradients (then it is never paired or served: the other half's
         output carries no autograd graph here)."""
         partitioned = self.module.partitioned
-        return (partitioned.weights_version, self.module.training, autocast_dtype(partitioned.mesh.device_type),
+        trained = sum(parameter._version for parameter in partitioned.trained_parameters().values())  # (in place)
+        return (partitioned.weights_version, trained, self.module.training,
+                autocast_dtype(partitioned.mesh.device_type),
                 wants_gradients(pytree.tree_leaves(named), partitioned.trainable))
 
     def _starts_pair(self, named: dict, context: str | None) -> bool:

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import InputError, InvariantError, TraceError
+from ..errors import InputError, TraceError
 from ..frontend.padding import pad_named
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, leaf_key, same_constant, value_digest
@@ -146,33 +146,26 @@ class PartitionedModule(torch.nn.Module):
 
     def call_pair(self, first: tuple[tuple, dict], second: tuple[tuple, dict], member: int | None):
         """Two calls, ``(args, kwargs)`` each, that every rank checks and agrees on together; this rank runs the one
-        at index ``member`` (None: neither) and returns its output. The halves of a cfg axis run a guidance pair
-        this way (``runtime.guidance_pairs``): the program is replicated over that axis, so each half's collectives
-        stay within it. A shape specialisation either call needs is built by every rank first, in order."""
+        at index ``member`` (None: neither). Returns (its output, True), or (the first call's output, False) where
+        either call has no program yet: then every rank runs the first call alone, as an ordinary call (building
+        its specialisation if it needs one; a guessed second call is never worth one). The halves of a cfg axis run
+        a guidance pair this way (``runtime.guidance_pairs``): the program is replicated over that axis, so each
+        half's collectives stay within it."""
         guard = self._partitioned.guard
         with guard.exclusive():
             guard.check_usable()
-            for _ in range(3):  # agree; build the missing specialisations on every rank; agree again
-                calls = [self._prepare(*first), self._prepare(*second)]
-                problem = next((call.problem for call in calls if call.problem is not None), None)
-                guard.agree(problem, describe=lambda: "; ".join(f"{which} call: {call.describe()}" for which, call
-                                                                in zip(("first", "second"), calls) if call.describe),
-                            **_paired_agreement(calls))
-                if all(call.compiled is not None for call in calls):
-                    break
-                built = {}
-                for call in calls:
-                    if call.compiled is None and call.key not in built:
-                        built[call.key] = self._specialize(call.bucketed)
-                        self._remember(call.key, built[call.key])
-            else:
-                raise InvariantError(f"{self._partitioned.model_name}: a paired call found no program after "
-                                     "specialising for both")
+            calls = [self._prepare(*first), self._prepare(*second)]
+            problem = next((call.problem for call in calls if call.problem is not None), None)
+            guard.agree(problem, describe=lambda: "; ".join(f"{which} call: {call.describe()}" for which, call
+                                                            in zip(("first", "second"), calls) if call.describe),
+                        **_paired_agreement(calls))
+            if any(call.compiled is None for call in calls):  # (every rank agreed on which programs exist)
+                return self._call_once(*first), False
             for call in calls:
                 self._remember(call.key, call.compiled)
             if member is None:
-                return None
-            return calls[member].compiled.run(calls[member].checked)
+                return None, True
+            return calls[member].compiled.run(calls[member].checked), True
 
     def has_program(self, args, kwargs) -> bool:
         """Whether a call would run a program this rank holds, and pass its checks (no specialisation needed; the
@@ -224,8 +217,8 @@ class PartitionedModule(torch.nn.Module):
 
     def _remember(self, key, compiled: CompiledPartition) -> None:
         self._cache[key] = compiled
-        self._evict()
         self._cache.move_to_end(key)
+        self._evict()
 
     def _specialize(self, named: dict) -> CompiledPartition:
         shapes = "; ".join(self._differences(named))
@@ -284,8 +277,9 @@ class PartitionedModule(torch.nn.Module):
 
     def _evict(self) -> None:
         """Keep the traced shapes and the ``max_specializations`` most recently used others."""
+        keep = max(1, self.max_specializations)  # (the one just used stays, even with max_specializations=0)
         others = [key for key, compiled in self._cache.items() if compiled is not self._first]
-        for key in others[:max(0, len(others) - self.max_specializations)]:
+        for key in others[:max(0, len(others) - keep)]:
             del self._cache[key]
 
 

@@ -242,8 +242,9 @@ class LazyPartition(torch.nn.Module):
 
             model = self._model.train(self.training)  # traced in the mode the stand-in was put in
             pairs = self._pairs_guidance_calls(model, args, kwargs)
-            partitioned = partition(model, self._mesh, (args, kwargs), **self._options,
-                                    **({"cfg": "pairs"} if pairs else {}))
+            options = {**{k: v for k, v in self._options.items() if k != "cfg"}, "cfg": "pairs" if pairs else
+                       self._options.get("cfg", "batch")}
+            partitioned = partition(model, self._mesh, (args, kwargs), **options)
             if self._checkpoint is not None:
                 partitioned.load_weights(self._checkpoint)
             self.__dict__["_module"] = partitioned.compile(self._backend, **self._compile_options)
@@ -277,7 +278,7 @@ class LazyPartition(torch.nn.Module):
         sizes = _mesh_sizes(self._mesh)
         axis = next((name for name in sizes if name in BATCH_AXES and sizes[name] > 1), None)
         if self._options.get("cfg") is not None:  # asked for: "pairs", or "batch" (then refused if it cannot split)
-            return self._options.pop("cfg") == "pairs"
+            return self._options["cfg"] == "pairs"
         if axis is None:
             return False
         try:
@@ -295,7 +296,8 @@ class LazyPartition(torch.nn.Module):
             f"{self._where}: the mesh's {axis}={sizes[axis]} axis splits the batch of each transformer call, and "
             f"{owner} calls {self._model_name} with a batch of {value.shape[0]} ({name}{list(value.shape)}): the "
             f"{axis} ranks would have no rows of their own. Drop {axis!r} from the mesh and give its devices to tp or "
-            "ulysses; a cfg axis instead runs a pipeline's two guidance calls of a step at once")
+            "ulysses" + ("; a cfg axis instead runs a pipeline's two guidance calls of a step at once" if axis != "cfg"
+                         else ""))
 
 
 def _mesh_sizes(mesh) -> dict[str, int]:
