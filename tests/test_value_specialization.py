@@ -402,6 +402,9 @@ def _guarded(rank, world, mode, image, broken=False):
         result["program"] = str(refusal)
     result["other_error"] = error(other_branch, module)  # the module traces again for the other branch
     result["back_error"] = error(same_branch, module)  # and the first program serves the first branch again
+    for _ in range(2):  # the other branch again: served by its program, not traced once more
+        error(_switch_inputs(not image, seed=4), module)
+    result["programs"] = len(module.partitions)
     from partitioner.frontend.value_guards import Guards
 
     replays, failed = [], Guards.failed
@@ -441,6 +444,7 @@ def test_a_branch_on_a_float_input_is_a_guard_and_exact(pools, mode, image):
         assert "for this call's image_embeds, Tensor.__bool__ of image_embeds at test_value_specialization.py" \
             in result["program"] and "comes out otherwise" in result["program"], result["program"]
         assert len(result["specializations"]) == 1 and "otherwise" in result["specializations"][0], result
+        assert result["programs"] == 2, result["programs"]  # (its key once had one guard's outcome too few)
         assert result["replays"] == (2, 2), result["replays"]
         assert "image_embeds" in result["diverged"], result["diverged"]
         if MODES[mode][1][-1] == "ulysses":

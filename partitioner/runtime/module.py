@@ -139,7 +139,8 @@ class PartitionedModule(torch.nn.Module):
         self._partitioned.guard.agree(call.problem, describe=call.describe, **call.agreement)
         if call.compiled is None:
             compiled = self._specialize(call.bucketed)  # every rank builds it, and compares its plan
-            self._remember(call.key, compiled)
+            # kept under the key such a call has from now on (a new trace may add guards or read more values)
+            self._remember(self._prepare(args, kwargs).key, compiled)
             return compiled(*args, **kwargs)
         self._remember(call.key, call.compiled)
         return call.compiled.run(call.checked)
