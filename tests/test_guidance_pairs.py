@@ -81,10 +81,9 @@ class _OneProcess(GuidancePairs):
 
     programs = True  # whether every call finds a program (False: a prediction would need a specialisation)
 
-    def has_program(self, args, kwargs):
-        return self.programs
-
     def call_pair(self, first, second, member):
+        if not self.programs:  # (as PartitionedModule.call_pair: the first call alone)
+            return _model(*first[0], **first[1]), False
         self.pending = [_model(*call[0], **call[1]) for call in (first, second)]
         return self.pending[member], True
 

@@ -150,20 +150,16 @@ class GuidancePairs:
         if held is None and state[-1] is False and self._starts_pair(named, context):
             predicted = snapshot(predict(self.pair[0].named, self.pair[1].named, named))
             call = inspect.BoundArguments(self.signature, predicted)  # back to positional and keyword arguments
-            # both calls run programs that exist (a guessed call is never worth a specialisation)
-            if self.module.has_program(args, kwargs) and self.module.has_program(call.args, call.kwargs):
-                member = self.coordinate if self.coordinate < 2 else None
-                with self.guard.exclusive():
-                    mine, paired = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
-                    if paired:
-                        first, second = self._exchange(mine)
+            member = self.coordinate if self.coordinate < 2 else None
+            with self.guard.exclusive():  # (where either call has no program, every rank ran the first alone)
+                first, paired = self.module.call_pair((args, kwargs), (call.args, call.kwargs), member)
                 if paired:
-                    self.paired += 1
-                    self.held = _Held(predicted, second, state)
-                else:
-                    first = mine
-                self._observe(_Call(snapshot(named), context))
-                return first
+                    first, second = self._exchange(first)
+            if paired:
+                self.paired += 1
+                self.held = _Held(predicted, second, state)
+            self._observe(_Call(snapshot(named), context))
+            return first
         output = self.module(*args, **kwargs)  # alone: learning the pattern, a miss, or a call recording gradients
         self._observe(_Call(snapshot(named), context))
         return output

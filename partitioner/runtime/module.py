@@ -168,12 +168,6 @@ class PartitionedModule(torch.nn.Module):
                 return None, True
             return calls[member].compiled.run(calls[member].checked), True
 
-    def has_program(self, args, kwargs) -> bool:
-        """Whether a call would run a program this rank holds, and pass its checks (no specialisation needed; the
-        same answer on every rank that holds the same programs). Nothing is exchanged."""
-        call = self._prepare(args, kwargs)
-        return call.problem is None and call.compiled is not None
-
     def _prepare(self, args, kwargs) -> "_Prepared":
         """A call checked on this rank, before any collective: the program it runs (None: a specialisation is
         needed), its checked arguments, what the ranks compare, or the problem every rank must learn."""

@@ -21,9 +21,9 @@ from ..errors import (CollectiveTimeout, ConcurrentCall, FailedOnAnotherRank, Pa
 
 METHODS = ("decode", "encode")
 # Failures of the ranks rather than of the split (ranks holding other weights plan differently): a decode that falls
-# back to whole on them would hide them. Every
-# other failure of ``partition`` (a refusal, an internal error of a pass, another rank's, which the plan check
-# raises on every rank as ``FailedOnAnotherRank``) is raised on every rank alike, so every rank decodes whole.
+# back to whole on them would hide them. Every other failure of ``partition`` (a refusal, an internal error of a
+# pass, another rank's, which the plan check raises on every rank as ``FailedOnAnotherRank``) is raised on every
+# rank alike, so every rank decodes whole.
 _RANK_FAILURES = (RankDisagreement, CollectiveTimeout, ConcurrentCall, PartitionUnusable)
 
 
