@@ -358,3 +358,24 @@ def test_video_vae_idioms_split_with_one_gather(pools):
         assert error <= TOLERANCE, (rank, error)
         assert counts[("all_gather", "ring")] == 1 and counts[("halo_exchange", "ring")] == 1, (rank, counts)
         assert counts[("ring_pass", "ring")] == 1, (rank, counts)
+
+
+@pytest.mark.parametrize("training, placement, refused", [
+    (False, Shard(2), False), (True, Shard(2), True), (False, Shard(1), True), (True, Shard(0), True)],
+    ids=["eval-rows", "training-rows", "eval-channels", "training-batch"])
+def test_batch_norm_passes_split_rows_only_in_eval_mode(training, placement, refused):
+    """Eval mode scales each channel by its running statistics (row by row); training mode takes statistics over
+    every row and the batch, and split channels would need split statistics: both refused."""
+    from partitioner.rules.spatial import batch_norm
+
+    graph = torch.fx.Graph()
+    x, weight, bias, mean, var = (graph.placeholder(name) for name in ("x", "weight", "bias", "mean", "var"))
+    x.meta["val"] = torch.empty(2, 4, 7, 5, device="meta")
+    node = graph.call_function(torch.ops.aten.batch_norm.default, (x, weight, bias, mean, var, training, 0.1, 1e-5,
+                                                                     False))
+    node.meta["val"] = torch.empty(2, 4, 7, 5, device="meta")
+    if refused:
+        with pytest.raises(Unshardable):
+            batch_norm(node, {x: placement}, 2)
+    else:
+        assert batch_norm(node, {x: placement}, 2).output == placement
