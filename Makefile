@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,quant]"
 	touch $@
 
 # XLA SPMD: torch_xla's last release needs exactly torch 2.9.0 (a CUDA build, ~7 GB), so it has its own venv.

@@ -25,6 +25,7 @@ from .passes.plan_sharding import warn_unsplit_linears
 from .plans import Plan
 from .runtime.rank_groups import DEFAULT_TIMEOUT, bounded_groups
 from .runtime.fingerprints import check_fingerprint, weights_digest
+from .runtime.low_precision import check_exchange_dtype
 from .runtime.gradients import marked_to_train
 
 
@@ -50,7 +51,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
               backend_checks: str | dict | None = None, buckets: dict | None = None,
               timeout: float = DEFAULT_TIMEOUT, overlap: bool | dict = True,
               input_fingerprint: str = "sample", method: str = "forward", programs: str = "rank",
-              cfg: str = "batch") -> Partitioned:
+              cfg: str = "batch", exchange_dtype: torch.dtype | None = None) -> Partitioned:
     """Trace ``model`` on ``example_inputs = (args, kwargs)`` and rewrite it into this rank's program.
 
     ``mesh``: a DeviceMesh with dim names from {"tp", "ring", "ulysses", "dp" (or "cfg")}, or axis sizes such as
@@ -85,10 +86,14 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     rows are split along height (``docs/vae.md``). ``cfg``: what a "cfg" mesh axis divides: "batch" (default:
     each call's batch, both guidance branches in one call, as "dp") or "pairs" (the program is replicated over
     it; ``parallelize`` runs a pipeline's two guidance calls of a step at once on its halves, see
-    ``docs/pipelines.md``).
+    ``docs/pipelines.md``). ``exchange_dtype`` (opt-in, inference only): the all_to_all pieces of sequence
+    parallelism travel in ``torch.float8_e4m3fn`` / ``float8_e5m2`` with a float32 scale per row, or in
+    ``torch.bfloat16``, and are restored on arrival: fewer bytes for a measured error (``docs/quantized.md``);
+    sums always travel in the values' own dtype.
     """
     start = time.perf_counter()
     check_fingerprint(input_fingerprint)
+    check_exchange_dtype(exchange_dtype, model)
     spec, groups = mesh_with_groups(mesh, rank, timeout, programs)
     spec = dataclasses.replace(spec, cfg=cfg)
     buckets = parse_buckets(buckets)
@@ -96,7 +101,7 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     def partition_with(traced: Traced) -> Partitioned:
         _compute_meta_buffers(model, traced)
         return partition_traced(traced, spec, type(model).__name__, plan=plan, dump_dir=dump_dir,
-                                bounds=bounds, buckets=buckets, overlap=overlap)
+                                bounds=bounds, buckets=buckets, overlap=overlap, exchange_dtype=exchange_dtype)
 
     def build() -> Partitioned:
         partitioned = trace_bucketed(model, example_inputs, buckets, partition_with)
@@ -106,7 +111,8 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
 
     overlap = Overlap.parse(overlap)
     options = dict(plan=plan, bounds=bounds, backend_checks=backend_checks, buckets=buckets, overlap=overlap,
-                   input_fingerprint=input_fingerprint, method=method, programs=programs, cfg=cfg)
+                   input_fingerprint=input_fingerprint, method=method, programs=programs, cfg=cfg,
+                   exchange_dtype=exchange_dtype)
     if groups is not None:  # ranks whose models hold other weights refuse together (sampled: cheap)
         options["model weights (sampled; every rank must build or load the same)"] = weights_digest(model)
     with method_as_forward(model, method):

@@ -125,12 +125,14 @@ def check_offline(partitioned: Partitioned, backend_checks, dump_dir) -> None:
 
 def partition_traced(traced: Traced, mesh: MeshSpec, model_name: str, *, plan: dict[str, str] | None = None,
                      dump_dir: str | Path | None = None, bounds: dict[str, int] | None = None,
-                     buckets: dict | None = None, overlap: bool | dict | Overlap = True) -> Partitioned:
+                     buckets: dict | None = None, overlap: bool | dict | Overlap = True,
+                     exchange_dtype: torch.dtype | None = None) -> Partitioned:
     """Run the passes over a trace, in place (copy ``traced`` to partition one trace for several meshes).
     ``plan``: ``_tp_plan``-style overrides, or a whole ``Plan`` to apply as it is."""
     with collector_skips_what_exists():
         ctx, gm, dump = decide(traced, mesh, model_name, plan=plan, dump_dir=dump_dir, bounds=bounds,
                                buckets=buckets, overlap=overlap)
+        ctx.exchange_dtype = exchange_dtype
         planned = copy_graph_module(gm)  # the global decision, kept for backends that partition themselves (XLA)
         gm = run_passes(gm, ctx, TO_RANK, dump)
     traced.graph_module, traced.inputs = gm, ctx.inputs
@@ -182,7 +184,8 @@ def specialize(partitioned: Partitioned, example_inputs) -> Partitioned:
     has no value for one of their keys (the Linears' plan is kept)."""
     plan, skeleton = Plan.of(partitioned), partitioned.skeleton
     options = dict(mesh=partitioned.mesh, model_name=partitioned.model_name, bounds=partitioned.ctx.bounds,
-                   buckets=partitioned.ctx.buckets, overlap=partitioned.ctx.overlap)
+                   buckets=partitioned.ctx.buckets, overlap=partitioned.ctx.overlap,
+                   exchange_dtype=partitioned.ctx.exchange_dtype)
 
     def partition_with(traced: Traced) -> Partitioned:
         try:

@@ -23,6 +23,7 @@ from .runtime.fingerprints import check_fingerprint
 from .passes.device_layout import place_graph_on
 from .runtime.program import autocast_dtype, input_names
 from .runtime.weights import shard_state
+from .tensor_parts import flattened_name
 from .annotations import annotation
 
 
@@ -72,7 +73,8 @@ class Partitioned:
         staged, failure, start = None, None, time.perf_counter()
         try:
             expected, computed = self._checkpoint_tensors()
-            shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict)
+            aliases = {gi.target: flattened_name(gi.target, gi.part_of) for gi in self.ctx.inputs if gi.part_of}
+            shards = load_shards(path, expected, self.slice_specs, self.mesh, strict=strict, aliases=aliases)
             device = torch.device(device) if device is not None else self.mesh.device
             shards.update({name: self.state[name] for name in computed})
             staged = {name: tensor.to(device) for name, tensor in shards.items()}
@@ -181,7 +183,7 @@ class Partitioned:
             lines = [self.explain(path) for path in [*self.ctx.linear_styles, *self.ctx.sequence_attention,
                                                      *self.ctx.batch_split]]
             return "\n".join(lines + ([f"between the tp regions: {self.ctx.tp_sequence}"] if self.ctx.tp_sequence
-                                      else []) + self._value_lines())
+                                      else []) + self._quantised_lines() + self._value_lines())
         if module_path in self.ctx.sequence_attention:
             return f"{module_path}: {self.ctx.sequence_attention[module_path]}"
         if module_path in self.ctx.batch_split:
@@ -196,6 +198,10 @@ class Partitioned:
         scattered = self.ctx.reduce_scattered.get(module_path)
         return f"{module_path}: {style}" + (f" (column sharding stopped at {reason})" if reason else "") + \
             (f"; its all_reduce {chunked}" if chunked else "") + (f"; its sum {scattered}" if scattered else "")
+
+    def _quantised_lines(self) -> list[str]:
+        return [f"{weight}: quantised, held whole on every rank: read by {readers}, not as a Linear's weight"
+                for weight, readers in self.ctx.whole_quantised.items()]
 
     def _value_lines(self) -> list[str]:
         """What the trace read of its inputs' values: the inputs pinned, and the guards replayed per call."""
@@ -255,6 +261,9 @@ class Partitioned:
                 raise BackendError(f"{backend!r} runs one global program (XLA SPMD), and this partition was planned for "
                                    "rank programs; partition for XLA's program by name: partition(model, "
                                    f"{self.mesh.sizes}, example_inputs, programs='global')")
+            if self.ctx.exchange_dtype is not None:
+                raise BackendError(f"{backend!r} runs its own collectives, in the values' dtypes: exchange_dtype="
+                                   f"{self.ctx.exchange_dtype} applies to rank programs only; partition without it")
             self.whole_tensors()  # fail now, not at the first call, when the whole tensors cannot be had
             with our_step(f"lowering to backend {backend!r}", BackendError):
                 return chosen.lower(self.planned_graph, mesh=self.mesh, collectives=self.collective_counts(),

@@ -10,9 +10,9 @@ from partitioner import partition
 from partitioner.testing import TINY_H3, h3_inputs, tiny_h3
 
 PASSES = ["00_export", "01_hoist_host", "02_pad_inputs", "03_gather_scatters", "04_fold_conv_padding",
-          "05_pointwise_convs", "06_annotate_heads", "07_plan_sharding", "08_plan_sequence", "09_plan_batch",
-          "10_plan_tp_sequence", "11_insert_collectives", "12_collective_kernels", "13_localize",
-          "14_chunk_reductions", "15_schedule_collectives"]
+          "05_pointwise_convs", "06_matmul_as_linear", "07_annotate_heads", "08_plan_sharding", "09_plan_sequence",
+          "10_plan_batch", "11_plan_tp_sequence", "12_insert_collectives", "13_collective_kernels", "14_localize",
+          "15_chunk_reductions", "16_schedule_collectives"]
 TP = 2
 
 
@@ -66,19 +66,19 @@ def test_dumps_are_one_folder_per_rank_and_stable_between_runs(model, tmp_path):
     changed = [name for name in files if (first / name).read_bytes() != (second / name).read_bytes()]
     assert changed == []
     assert re.search(r"0x[0-9a-f]{6,}", "".join((first / name).read_text() for name in files)) is None
-    last = "15_schedule_collectives.py"
+    last = "16_schedule_collectives.py"
     assert (first / last).read_text() != (tmp_path / "a" / "rank2" / last).read_text()  # 4 heads: 2 + 1 + 1
 
 
 def test_plan_sharding_dump_has_placements(dumped):
     """The plan_sharding dump annotates values with `# tp=S(` placements; the export dump has none."""
-    assert "# tp=S(" in (dumped[1] / "07_plan_sharding.py").read_text()
+    assert "# tp=S(" in (dumped[1] / "08_plan_sharding.py").read_text()
     assert "# tp=" not in (dumped[1] / "00_export.py").read_text()
 
 
 def test_insert_collectives_diff_adds_all_reduces(dumped):
     """The insert_collectives diff adds one all_reduce per row-wise Linear, and removes none."""
-    diff = (dumped[1] / "11_insert_collectives.diff").read_text().splitlines()
+    diff = (dumped[1] / "12_insert_collectives.diff").read_text().splitlines()
     added = [line for line in diff if line.startswith("+") and "_c10d_functional.all_reduce.default(" in line]
     removed = [line for line in diff if line.startswith("-") and "all_reduce" in line]
     assert len(added) == len(_rowwise(dumped[0])) > 0
@@ -89,7 +89,7 @@ def test_summary_txt(dumped):
     """The summary has node count, collectives and per-rank parameter bytes, and agrees with the report."""
     partitioned, directory = dumped
     report = partitioned.report()
-    final = (directory / "15_schedule_collectives.txt").read_text()
+    final = (directory / "16_schedule_collectives.txt").read_text()
     assert f"nodes: {len(partitioned.graph_module.graph.nodes)}\n" in final
     assert f"collectives: all_reduce[tp] x{len(_rowwise(partitioned))}\n" in final
     assert f"parameter bytes per rank: {report.total_parameter_bytes} (float32=" in final
@@ -102,8 +102,8 @@ def test_localize_dump_shows_per_rank_shapes(dumped, model):
     """After localize a q projection weight has rank shapes ([32, 48] of [64, 48] at tp=2); before, global ones."""
     out_features, in_features = model.transformer_blocks[0].attn.to_q.weight.shape
     name = "p_transformer_blocks_0_attn_to_q_weight"
-    local = (dumped[1] / "13_localize.py").read_text()
-    planned = (dumped[1] / "07_plan_sharding.py").read_text()
+    local = (dumped[1] / "14_localize.py").read_text()
+    planned = (dumped[1] / "08_plan_sharding.py").read_text()
     assert f'{name}: "f32[{out_features // TP}, {in_features}]"' in local
     assert f'{name}: "f32[{out_features}, {in_features}]"' in planned
 

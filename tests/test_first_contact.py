@@ -68,9 +68,9 @@ def test_dumps_of_two_runs_are_equal_and_each_rank_has_its_folder(run_cli, tmp_p
     comparison = filecmp.dircmp(tmp_path / "a", tmp_path / "b")
     assert _differing(comparison) == []
     index = (tmp_path / "a" / "rank0" / "index.txt").read_text().splitlines()
-    assert index[0].startswith("00_export:") and index[-1].startswith("15_schedule_collectives:")
-    assert (tmp_path / "a" / "rank0" / "15_schedule_collectives.py").read_text() != \
-        (tmp_path / "a" / "rank2" / "15_schedule_collectives.py").read_text()  # 24 heads of 128 over 3: the same
+    assert index[0].startswith("00_export:") and index[-1].startswith("16_schedule_collectives:")
+    assert (tmp_path / "a" / "rank0" / "16_schedule_collectives.py").read_text() != \
+        (tmp_path / "a" / "rank2" / "16_schedule_collectives.py").read_text()  # 24 heads of 128 over 3: the same
 
 
 def _differing(comparison: filecmp.dircmp) -> list[str]:

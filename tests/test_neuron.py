@@ -376,16 +376,16 @@ def test_backend_checks_option_is_validated(checks):
 
 def test_offline_checks_with_padding_and_dump(tmp_path, every_attention_large):
     """backend_checks={"neuron": {"pad_sequence": True}} passes where plain checks fail on the length, and the
-    legalised graph is dumped after the passes as 16_neuron_legalize, diffed against 15_schedule_collectives."""
+    legalised graph is dumped after the passes as 17_neuron_legalize, diffed against 16_schedule_collectives."""
     model, inputs = tiny_h3(), h3_inputs(TINY_H3)
     with pytest.raises(NeuronLegalityError, match="packed length 23 is not a multiple of 512"):
         partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks="neuron")
     partitioner.partition(model, {"tp": 2}, ((), inputs), backend_checks={"neuron": {"pad_sequence": True}},
                           dump_dir=tmp_path)
     tmp_path = tmp_path / "rank0"
-    code, diff = (tmp_path / "16_neuron_legalize.py").read_text(), (tmp_path / "16_neuron_legalize.diff").read_text()
+    code, diff = (tmp_path / "17_neuron_legalize.py").read_text(), (tmp_path / "17_neuron_legalize.diff").read_text()
     assert "aten.constant_pad_nd" in code and "aten.index_put" in code and 'video_indices: "i32[12]"' in code
-    assert "+++ 16_neuron_legalize" in diff and (tmp_path / "15_schedule_collectives.py").exists()
+    assert "+++ 17_neuron_legalize" in diff and (tmp_path / "16_schedule_collectives.py").exists()
 
 
 def test_full_size_h3_padded_checks():

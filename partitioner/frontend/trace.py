@@ -19,6 +19,7 @@ from torch.utils._sympy.numbers import int_oo
 from ..errors import TraceError, our_step
 from ..kinds import InputKind as GraphInputKind
 from ..source import source_line
+from ..tensor_parts import is_wrapped, plain_parts
 from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
 from .side_effects import attributes_kept
@@ -35,6 +36,10 @@ class GraphInput:
     kind: GraphInputKind
     target: str | int
     persistent: bool = True  # False for non-persistent buffers and constants: not in a checkpoint
+    # A plain part of a tensor subclass (a quantised weight's payload or scales, ``tensor_parts``): the model
+    # parameter it belongs to; ``target`` is that parameter's FQN and the part's attribute ("blocks.0.to_q.weight"
+    # and "blocks.0.to_q.weight.qdata").
+    part_of: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kind", GraphInputKind(self.kind))
@@ -42,6 +47,11 @@ class GraphInput:
     @property
     def is_model_tensor(self) -> bool:
         return self.kind in (GraphInputKind.PARAMETER, GraphInputKind.BUFFER, GraphInputKind.CONSTANT)
+
+    @property
+    def model_name(self) -> str | int:
+        """The model's own name for what this input holds: the parameter a part belongs to, else ``target``."""
+        return self.part_of or self.target
 
 
 @dataclass
@@ -126,13 +136,21 @@ def drop_in_place_detaches(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _reads_subclass_parts(graph: torch.fx.Graph) -> bool:
+    """The graph takes a tensor subclass (a torchao quantised weight) whole and reads its parts inside."""
+    return any(node.target is torch.ops.export.access_subclass_inner_tensor.default for node in graph.nodes
+               if node.op == "call_function")
+
+
 def functionalize(program, owner: str):
     """The program with every in-place write made explicit, when it has any. Export's IR keeps in-place ops on
     intermediate values (a RoPE written as ``q[..., n:] = rotate(...)`` is a ``copy_`` into a slice of q, with no
     user), invisible to the data flow the passes plan by: a collective after q would read q before the write.
     ``run_decompositions({})`` functionalizes (the ``copy_`` becomes a ``slice_scatter`` the attention reads) and
-    decomposes nothing else. Graphs without writes are returned as they are (it rewrites views, and costs seconds)."""
-    if not _writes_in_place(program.graph_module.graph):
+    decomposes nothing else. It also unwraps tensor subclasses (quantised weights) into their plain parts, which
+    the passes place and the loader cuts like any parameter. Graphs without either are returned as they are (it
+    rewrites views, and costs seconds)."""
+    if not (_writes_in_place(program.graph_module.graph) or _reads_subclass_parts(program.graph_module.graph)):
         return program
     try:
         program = program.run_decompositions({})
@@ -145,6 +163,22 @@ def functionalize(program, owner: str):
         raise TraceError(f"{owner}: in-place ops {sorted({str(n.target) for n in left})} remain after "
                          "functionalization; partition cannot place values that are written in place")
     return program
+
+
+def subclass_part_names(model: torch.nn.Module, exported_names) -> dict[str, tuple[str, str]]:
+    """Export's name of each plain part of a tensor-subclass parameter (torch's parametrization names,
+    ``<module>.parametrizations.<name>.original<i>``, in ``__tensor_flatten__`` order) -> (the part's name in the
+    model's terms, ``<module>.<name>.<attribute>``, and the parameter's FQN). A name export did not use is left out."""
+    names = {}
+    for fqn, tensor in model.named_parameters():
+        if not is_wrapped(tensor):
+            continue
+        module, _, name = fqn.rpartition(".")
+        prefix = f"{module}.parametrizations.{name}" if module else f"parametrizations.{name}"
+        for index, (attribute, _) in enumerate(plain_parts(tensor)):
+            if f"{prefix}.original{index}" in exported_names:
+                names[f"{prefix}.original{index}"] = (f"{fqn}.{attribute}", fqn)
+    return names
 
 
 def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
@@ -453,7 +487,8 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
 
     flat_args, in_spec = pytree.tree_flatten(((), named))
     constant_args = {i: leaf for i, leaf in enumerate(flat_args) if not isinstance(leaf, torch.Tensor)}
-    state = dict(program.state_dict)
+    parts = subclass_part_names(model, program.state_dict)
+    state = {parts.get(name, (name,))[0]: tensor for name, tensor in program.state_dict.items()}
     # constants (tensors the model makes from literals, what value specialisation folded) live with the weights
     devices = {t.device for t in program.state_dict.values() if not t.is_meta}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
@@ -470,7 +505,8 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
             user_index += 1
         elif spec.kind in kinds:
             persistent = spec.kind == InputKind.PARAMETER or bool(spec.persistent)
-            inputs.append(GraphInput(kinds[spec.kind], spec.target, persistent))
+            target, part_of = parts.get(spec.target, (spec.target, None))
+            inputs.append(GraphInput(kinds[spec.kind], target, persistent, part_of))
         else:
             raise TraceError(f"unsupported graph input kind {spec.kind} for {spec.target}")
     gm = lazy_code(program.graph_module)

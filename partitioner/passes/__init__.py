@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (annotate_heads, chunk_reductions, collective_kernels, fold_conv_padding, gather_scatters, hoist_host,
-               insert_collectives, localize, pad_inputs, plan_batch, plan_sequence, plan_sharding, plan_tp_sequence,
-               pointwise_convs, schedule_collectives)
+               insert_collectives, localize, matmul_as_linear, pad_inputs, plan_batch, plan_sequence, plan_sharding,
+               plan_tp_sequence, pointwise_convs, schedule_collectives)
 from .runner import run_passes
 
 
@@ -42,9 +42,12 @@ PLAN = (
          "a zero pad equal on both sides of a convolution's spatial dim is the convolution's own padding"),
     Pass("pointwise_convs", pointwise_convs.run, pointwise_convs.check, (),
          "every 1x1 convolution (stride 1, no padding, one group) is a linear over the channel dim"),
+    Pass("matmul_as_linear", matmul_as_linear.run, matmul_as_linear.check, (),
+         "every matrix product of a value by a weight (a quantised Linear's) is a linear"),
     Pass("annotate_heads", annotate_heads.run, annotate_heads.check, (),
          "attentions and their projections carry their heads; head splits infer the head count from head_dim"),
-    Pass("plan_sharding", plan_sharding.run, plan_sharding.check, ("pointwise_convs", "annotate_heads"),
+    Pass("plan_sharding", plan_sharding.run, plan_sharding.check,
+         ("pointwise_convs", "matmul_as_linear", "annotate_heads"),
          "every value has a 'tp' placement and every input a 'tp' requirement"),
     Pass("plan_sequence", plan_sequence.run, plan_sequence.check, ("plan_sharding",),
          "every value has a 'ulysses' placement and every input a 'ulysses' requirement"),

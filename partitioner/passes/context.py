@@ -55,9 +55,12 @@ class PassContext:
     buckets: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # (input, dim) -> sizes (user)
     input_names: list[str] = field(default_factory=list)  # the flattened forward arguments' names
     overlap: Overlap = field(default_factory=Overlap)  # communication/computation overlap techniques (user option)
+    exchange_dtype: torch.dtype | None = None  # all_to_all pieces travel in it (user option, runtime/low_precision)
     # Filled by the passes:
     linear_styles: dict[str, LinearSharding] = field(default_factory=dict)  # module path -> its decision
     replicated_because: dict[str, str] = field(default_factory=dict)  # module path -> why not column-sharded
+    # quantised parameters (a tensor subclass's parts) no Linear reads, held whole on every tp rank -> what reads them
+    whole_quantised: dict[str, str] = field(default_factory=dict)
     slice_specs: dict[str, dict] = field(default_factory=dict)  # tensor FQN -> {axis: placement} (localize)
     attention: list = field(default_factory=list)  # HeadInfo per attention (annotate_heads)
     sequence_stopped: dict[str, str] = field(default_factory=dict)  # value -> why it was not sequence-sharded

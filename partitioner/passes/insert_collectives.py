@@ -34,7 +34,7 @@ from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, blo
 from ..rules import PartitionError
 from ..rules.pointwise import METADATA_ARGUMENTS
 from ..source import source_line
-from ..runtime import collectives
+from ..runtime import collectives, low_precision
 from . import device_layout
 from .context import PassContext
 from ..annotations import annotation
@@ -227,9 +227,11 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
             axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
     order = device_layout.memory_order(device_layout.strides_on_device(producer, ctx.mesh.device_type))
     # (the wait names the shape it joins: the global one here, this rank's once localize has run)
-    exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis)),
-                       collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order), axis, current,
-                       required, "all_to_all")
+    low = ctx.exchange_dtype if low_precision.applies(producer.meta["val"].dtype, ctx.exchange_dtype) else None
+    exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis), low),
+                       collectives.all_to_all_wait,
+                       (list(producer.meta["val"].shape), *dims, order, low, producer.meta["val"].dtype), axis,
+                       current, required, "all_to_all")
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         annotation(exchange).rank_order = (axis, current.blocks)
     return exchange

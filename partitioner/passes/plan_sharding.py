@@ -25,6 +25,7 @@ How the plan is found, from the graph's structure alone (no per-model list):
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from torch.fx import GraphModule, Node
 from ..decisions import LinearSharding, Style
 from ..errors import InvariantError, PartitionError, did_you_mean
 from ..placement import Partial, Replicate, any_sharded, block_offsets, is_sharded, shard_widths, unit_of
-from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, rule_for, shape_of
+from ..rules import Decision, LinearRoles, NeedsPacking, NeedsUnit, Unshardable, rule_for, shape_of
 from ..rules.core import with_dim
 from ..rules.propagate import sweep
 from ..rules.views import degree_above_heads
 from .context import PassContext
+from .matmul_as_linear import weight_expressions
 from ..annotations import annotation
 
 AXIS = "tp"
@@ -60,10 +62,21 @@ class _Propagation:
 
 
 def linear_path(linear: Node, fqns: dict[Node, str]) -> str:
-    """A Linear's module path: its weight's, without the last name (a 1x1 convolution's weight is squeezed)."""
-    weight = linear.args[1]
-    weight = weight.args[0] if weight.target is aten.squeeze.dims else weight
-    return fqns[weight].rsplit(".", 1)[0] if weight in fqns else linear.name
+    """A Linear's module path: its weight's, without the last name; for a weight computed from model tensors (a 1x1
+    convolution's weight squeezed, a quantised weight from its parts) the one parameter they all belong to."""
+    owners = {fqns[n] for n in _leaves(linear.args[1]) if n in fqns}
+    return owners.pop().rsplit(".", 1)[0] if len(owners) == 1 else linear.name
+
+
+def _leaves(node: Node) -> set[Node]:
+    """The placeholders a value is computed from."""
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += current.all_input_nodes
+    return {n for n in seen if n.op == "placeholder"}
 
 
 def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node, Style]:
@@ -205,26 +218,66 @@ def _wanted(node: Node, decisions: dict[Node, Decision]):
     return next(iter(wanted.values())) if len(wanted) == 1 else None
 
 
+def _offers(node: Node, wanted, degree: int) -> Decision | None:
+    """The decision of ``node`` (an op of a weight expression) that gives ``wanted`` from inputs placed as it
+    requires them, with as many inputs sharded as can be (they are then cut at load time); None if none does."""
+    rule, inputs = rule_for(node), [n for n in node.all_input_nodes if shape_of(n)]
+    # (a dim of one broadcasts: never cut)
+    choices = [[R, *(with_dim(wanted, dim) for dim, size in enumerate(shape_of(n)) if size > 1)] for n in inputs]
+    best = None
+    for offered in itertools.product(*choices):
+        placements = dict(zip(inputs, offered))
+        try:
+            decision = rule(node, placements, degree)
+        except (Unshardable, NeedsPacking, NeedsUnit):
+            continue
+        if decision.output != wanted or any(decision.inputs.get(n, R) != p for n, p in placements.items()):
+            continue
+        sharded = sum(is_sharded(p) for p in offered)
+        if best is None or sharded > best[0]:
+            best = (sharded, decision)
+    return best[1] if best else None
+
+
 def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements,
                  degree: int) -> None:
-    """Parameters and buffers take the placement their consumers need, so they are sliced at load time; so does a
-    squeeze of one (a 1x1 convolution's weight read as a linear's, ``pointwise_convs``), and its parameter the
-    placement the squeeze maps onto it."""
-    state = {node for node, graph_input in ctx.placeholder_inputs(gm).items() if graph_input.is_model_tensor}
-    for view in [n for n in gm.graph.nodes if n.target is aten.squeeze.dims and n.args[0] in state]:
-        wanted, (source,) = _wanted(view, decisions), view.all_input_nodes
-        if not is_sharded(wanted):
+    """Parameters and buffers take the placement their consumers need, so they are sliced at load time. So do
+    the ops of a weight expression (computed from them alone, ``matmul_as_linear``: a quantised weight dequantised
+    from its payload and scales, a 1x1 convolution's weight squeezed, ``pointwise_convs``), from the last back:
+    each takes the placement its consumers need where its rule gives it from sharded inputs, which then need it."""
+    weights = weight_expressions(gm, ctx)
+    for node in reversed([n for n in gm.graph.nodes if n in weights and n.op == "call_function"]):
+        wanted = _wanted(node, decisions)
+        if not is_sharded(wanted) or placements.get(node) == wanted:
             continue
-        rule = rule_for(view)
-        for dim in range(len(shape_of(source))):
-            if rule(view, {source: with_dim(wanted, dim)}, degree).output == wanted:
-                placements[view] = decisions[view].output = wanted
-                decisions[view].inputs[source] = with_dim(wanted, dim)
-                break
-    for node in state:
+        decision = _offers(node, wanted, degree)
+        if decision is not None:
+            placements[node], decisions[node] = wanted, decision
+    for node in [n for n in weights if n.op == "placeholder"]:
         wanted = _wanted(node, decisions)
         if wanted is not None:
             placements[node] = wanted
+
+
+def _whole_quantised(gm: GraphModule, ctx: PassContext, linear_paths: set[str]) -> dict[str, str]:
+    """Quantised parameters (parts of a tensor subclass) that no Linear reads (torchao's int8 dynamic-activation
+    Linear is an ``_int_mm`` of quantised activations, not a product by a weight): parameter -> the ops reading
+    them. They stay whole on every rank, exact and not split: said, never silent."""
+    found: dict[str, set[str]] = {}
+    weights = weight_expressions(gm, ctx)
+    for node, graph_input in ctx.placeholder_inputs(gm).items():
+        owner = graph_input.part_of
+        if owner is None or owner.rsplit(".", 1)[0] in linear_paths:
+            continue
+        readers = found.setdefault(owner, set())
+        todo = list(node.users)
+        while todo:  # through the weight's own casts and views to the ops that read it with activations
+            user = todo.pop()
+            if user in weights:
+                todo += user.users
+            else:
+                readers.add(str(user.target).removeprefix("aten.").removesuffix(".default"))
+    return {owner: ", ".join(sorted(readers)) for owner, readers in found.items()}
 
 
 def _decided(linear: Node, decision: Decision, roles: LinearRoles, degree: int, gathered: bool) -> LinearSharding:
@@ -242,7 +295,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     too_many = degree_above_heads(ctx.attention, degree)
     if too_many is not None:
         raise too_many
-    fqns = {node: gi.target for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    fqns = {node: gi.model_name for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
     paths = {linear: linear_path(linear, fqns) for linear in linears}
     forced = _match_overrides(paths, ctx.plan)
@@ -278,6 +331,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 roles.rowwise.add(linear)
     sweep = _propagate(gm, roles, gathered, degree)
     _place_state(gm, ctx, sweep.decisions, sweep.placements, degree)
+    if degree > 1:
+        ctx.whole_quantised = _whole_quantised(gm, ctx, set(paths.values()))
 
     for node in gm.graph.nodes:
         annotation(node).placements = {AXIS: sweep.placements.get(node)}
@@ -308,14 +363,22 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
 
 def warn_unsplit_linears(ctx: PassContext, stacklevel: int = 3) -> None:
     """One ``PartitionWarning`` when the tensor axis splits none of the model's Linears: every rank holds and runs
-    them all, which is exact and no parallelism (``partition`` and ``plan`` call this)."""
+    them all, which is exact and no parallelism (``partition`` and ``plan`` call this); one when it cannot split
+    some quantised weights."""
     import warnings
 
     from ..errors import PartitionWarning
 
-    if AXIS not in ctx.mesh.axis_names or ctx.mesh.size(AXIS) <= 1 or not ctx.linear_styles:
+    if AXIS not in ctx.mesh.axis_names or ctx.mesh.size(AXIS) <= 1:
         return
-    if all(decided.style is Style.REPLICATE for decided in ctx.linear_styles.values()):
+    if ctx.whole_quantised:
+        first, readers = next(iter(ctx.whole_quantised.items()))
+        warnings.warn(f"{AXIS}={ctx.mesh.size(AXIS)} cannot split {len(ctx.whole_quantised)} quantised weights "
+                      f"(e.g. {first}, read by {readers}): no rule reads them as a Linear's, so every rank holds "
+                      "them whole (the result is exact); explain() lists them. Quantised Linears split where they "
+                      "are a matrix product by their dequantised weight (torchao's weight-only int8 and float8)",
+                      PartitionWarning, stacklevel=stacklevel)
+    if ctx.linear_styles and all(decided.style is Style.REPLICATE for decided in ctx.linear_styles.values()):
         first = next(iter(ctx.linear_styles))
         warnings.warn(f"{AXIS}={ctx.mesh.size(AXIS)} splits none of the {len(ctx.linear_styles)} Linears of this "
                       f"model: every rank holds and runs them all (the result is exact). explain({first!r}) says "

@@ -212,11 +212,13 @@ def _moves_dims(new_dim: Callable[[Node, int], int]) -> Callable:
     return rule
 
 
-@register(aten.permute.default, aten.transpose.int)
+@register(aten.permute.default, aten.transpose.int, aten.t.default)
 @_moves_dims
 def permute(node: Node, dim: int) -> int:
-    """permute / transpose"""
+    """permute / transpose / t"""
     ndim = len(shape_of(node.args[0]))
+    if node.target is aten.t.default:  # swaps the two dims of a matrix; a vector stays
+        return 1 - dim if ndim == 2 else dim
     if node.target is aten.permute.default:
         order = [norm_dim(d, ndim) for d in node.args[1]]
     else:

@@ -92,42 +92,49 @@ def read_shard(handle, name: str, spec: dict, mesh: MeshSpec) -> torch.Tensor:
 
 
 def load_shards(path, expected: dict[str, tuple[torch.Size, torch.dtype]], specs: dict[str, dict], mesh: MeshSpec,
-                *, strict: bool = True) -> dict[str, torch.Tensor]:
-    """Read this rank's slice of every tensor in ``expected`` (name -> global shape and dtype)."""
+                *, strict: bool = True, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Read this rank's slice of every tensor in ``expected`` (name -> global shape and dtype); a name missing from
+    the checkpoint is looked up under its alias (``aliases``: torchao's flattened name of a quantised weight's
+    part, ``to_q._weight_qdata`` for ``to_q.weight.qdata``)."""
     files = tensor_files(path)
+    stored = {name: name if name in files or name not in (aliases or {}) else aliases[name] for name in expected}
     problems = []
-    missing = sorted(set(expected) - set(files))
+    missing = sorted(name for name in expected if stored[name] not in files)
     if missing:
         problems.append(f"missing {len(missing)}: {missing[:10]}")
-    unexpected = sorted(set(files) - set(expected))
+    unexpected = sorted(set(files) - set(stored.values()))
     if unexpected and strict:
         problems.append(f"unexpected {len(unexpected)}: {unexpected[:10]}")
-    handles = {file: _open(file) for file in sorted(set(files[n] for n in expected if n in files))}
+    present = [name for name in sorted(expected) if stored[name] in files]
+    handles = {file: _open(file) for file in sorted(set(files[stored[n]] for n in present))}
     held = {file: set(handle.keys()) for file, handle in handles.items()}
-    for name in sorted(set(expected) & set(files)):
-        if name not in held[files[name]]:
-            problems.append(f"{name}: the index maps it to {files[name].name}, which does not hold it")
+    for name in present:
+        key, file = stored[name], files[stored[name]]
+        if key not in held[file]:
+            problems.append(f"{key}: the index maps it to {file.name}, which does not hold it")
             continue
-        view = handles[files[name]].get_slice(name)
+        view = handles[file].get_slice(key)
         shape, dtype = expected[name]
         if tuple(view.get_shape()) != tuple(shape):
-            problems.append(f"{name}: shape {view.get_shape()} in {files[name].name}, the model has {list(shape)}")
+            problems.append(f"{key}: shape {view.get_shape()} in {file.name}, the model has {list(shape)}")
         elif _dtype(view.get_dtype()) != dtype:
-            problems.append(f"{name}: {view.get_dtype()} in {files[name].name}, the model was traced with {dtype}; "
+            problems.append(f"{key}: {view.get_dtype()} in {file.name}, the model was traced with {dtype}; "
                             "build the model with the checkpoint's dtypes")
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match the partitioned model:\n  " + "\n  ".join(problems))
     shards = {}
     names = sorted(expected)
     for name in bar(names, desc="loading shards", unit="tensor"):
+        key = stored[name]
         try:
-            shards[name] = read_shard(handles[files[name]], name, specs.get(name, {}), mesh)
+            shards[name] = read_shard(handles[files[key]], key, specs.get(name, {}), mesh)
         except (SafetensorError, OSError, RuntimeError) as error:
-            raise CheckpointError(f"{files[name]}: cannot read {name} ({error}); the file may be truncated") from None
+            raise CheckpointError(f"{files[key]}: cannot read {key} ({error}); the file may be truncated") from None
     return shards
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers torch.ops._c10d_functional)
 
-from . import kernel_gradients
+from . import kernel_gradients, low_precision
 
 functional = torch.ops._c10d_functional
 
@@ -73,7 +73,8 @@ def _flat_concatenation(pieces: list[torch.Tensor], whole: torch.Tensor, dim: in
 
 
 def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter_sizes: list[int],
-                     gather_sizes: list[int], index: int, order: list[int] | None, group_name: str) -> torch.Tensor:
+                     gather_sizes: list[int], index: int, order: list[int] | None, group_name: str,
+                     exchange_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Issue the move of ``x``'s sharding from ``gather_dim`` to ``scatter_dim`` (Ulysses: sequence <-> heads).
 
     This rank (``index`` in its group) holds ``gather_sizes[index]`` rows of ``gather_dim`` and all of
@@ -81,27 +82,39 @@ def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter
     ``gather_sizes[i]`` rows of ``gather_dim``. Pieces travel flattened with their dims in ``order`` (a permutation,
     the same on every rank: the value's memory order, so a piece split off its outermost dim travels without a
     copy), so uneven sizes on both dims work; the received pieces, end to end, are in flight until
-    ``all_to_all_wait``."""
+    ``all_to_all_wait``. With ``exchange_dtype`` (``partition(..., exchange_dtype=)``) each piece travels in it,
+    with per-row scales for a float8 dtype (``low_precision``)."""
     order = order or list(range(x.dim()))
     x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)
-    pieces = x.split(scatter_sizes, dim=scatter_dim)
     shapes = _received_shapes(list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
+    if low_precision.applies(x.dtype, exchange_dtype):
+        rows = low_precision.row_dim(x.dim(), scatter_dim, gather_dim)
+        pieces = [low_precision.encode(piece, exchange_dtype, rows) for piece in x.split(scatter_sizes, scatter_dim)]
+        received = [low_precision.encoded_bytes(shape, exchange_dtype, rows) for shape in shapes]
+        return functional.all_to_all_single(torch.cat(pieces), received, [p.numel() for p in pieces], group_name)
+    pieces = x.split(scatter_sizes, dim=scatter_dim)
     return functional.all_to_all_single(_flat_concatenation(pieces, x, scatter_dim), [math.prod(s) for s in shapes],
                                         [piece.numel() for piece in pieces], group_name)
 
 
 def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, gather_dim: int,
-                    scatter_sizes: list[int], gather_sizes: list[int], index: int, order: list[int] | None
-                    ) -> torch.Tensor:
+                    scatter_sizes: list[int], gather_sizes: list[int], index: int, order: list[int] | None,
+                    exchange_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Wait for an issued ``all_to_all`` of a value of ``shape`` (this rank's) and join the pieces along
-    ``gather_dim`` (in ``order``, as they were sent, then put back in the value's order: a view)."""
+    ``gather_dim`` (in ``order``, as they were sent, then put back in the value's order: a view). Pieces sent in
+    ``exchange_dtype`` are restored to ``dtype``, the value's."""
     order = order or list(range(len(shape)))
     in_place = joined_in_place(shape, scatter_dim, gather_dim, scatter_sizes, index, order)
     shape = [shape[dim] for dim in order]
     scatter_dim, gather_dim = order.index(scatter_dim), order.index(gather_dim)
     shapes = _received_shapes(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
     received = functional.wait_tensor(issued)
-    if in_place:
+    if low_precision.applies(dtype, exchange_dtype):
+        rows = low_precision.row_dim(len(shape), scatter_dim, gather_dim)
+        parts = received.split([low_precision.encoded_bytes(piece, exchange_dtype, rows) for piece in shapes])
+        joined = torch.cat([low_precision.decode(part, piece, exchange_dtype, dtype, rows)
+                            for part, piece in zip(parts, shapes)], dim=gather_dim)
+    elif in_place:
         joined = list(shapes[0])
         joined[gather_dim] = sum(piece[gather_dim] for piece in shapes)
         joined = received.view(joined)

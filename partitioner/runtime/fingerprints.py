@@ -16,6 +16,7 @@ import struct
 import torch
 
 from ..errors import InputError
+from ..tensor_parts import plain_parts
 
 FINGERPRINTS = ("sample", "full", "off")  # partition(..., input_fingerprint=)
 SAMPLE = 4096  # elements of each input tensor the "sample" fingerprint reads
@@ -110,12 +111,15 @@ def values_digest(values: list[tuple[str, torch.Tensor]], mode: str, exact=froze
 def weights_digest(model: torch.nn.Module) -> str:
     """A digest of a model's parameters and buffers (``SAMPLE`` elements of each at a fixed stride), which every
     rank's plan check compares: ranks whose models hold other weights (built unseeded, another checkpoint) refuse
-    together instead of running a mixture. Tensors on the meta device count by name, shape and dtype only."""
+    together instead of running a mixture. Tensors on the meta device count by name, shape and dtype only; a tensor
+    subclass (a quantised weight) by each of its plain parts."""
     digest = hashlib.sha256()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         digest.update(f"{name} {list(tensor.shape)} {tensor.dtype}".encode())
-        if not tensor.is_meta:
-            digest.update(_bytes(tensor, sample=True))
+        for part_name, part in plain_parts(tensor):  # a quantised weight: its payload and scales
+            digest.update(f"{part_name} {list(part.shape)} {part.dtype}".encode())
+            if not part.is_meta:
+                digest.update(_bytes(part, sample=True))
     return digest.hexdigest()[:16]
 
 
