@@ -23,7 +23,8 @@ HEADS = 6
 LAYOUTS = {"u2": ((2,), ("ulysses",)), "u4": ((4,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses"))}
 
 
-def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, order, group_name):
+def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, order, group_name,
+                 exchange_dtype=None):
     """The pieces an all_to_all receives, built from this rank's own rows only: what a missing exchange computes."""
     order = order or list(range(x.dim()))
     x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)

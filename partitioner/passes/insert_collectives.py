@@ -227,10 +227,11 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
             axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
     order = device_layout.memory_order(device_layout.strides_on_device(producer, ctx.mesh.device_type))
     # (the wait names the shape it joins: the global one here, this rank's once localize has run)
-    low = ctx.exchange_dtype if low_precision.applies(producer.meta["val"].dtype, ctx.exchange_dtype) else None
-    exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis), low),
-                       collectives.all_to_all_wait,
-                       (list(producer.meta["val"].shape), *dims, order, low, producer.meta["val"].dtype), axis,
+    # (pieces in a lower precision only where asked for: the arguments, and so the program, are otherwise unchanged)
+    low = ((ctx.exchange_dtype,) if low_precision.applies(producer.meta["val"].dtype, ctx.exchange_dtype) else ())
+    restored = (*low, producer.meta["val"].dtype) if low else ()
+    exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis), *low),
+                       collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order, *restored), axis,
                        current, required, "all_to_all")
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         annotation(exchange).rank_order = (axis, current.blocks)
