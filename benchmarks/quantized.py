@@ -146,7 +146,7 @@ def h3_table() -> list[str]:
             if exchange is not None and "ulysses" not in layout:
                 continue
             model, inputs = full_h3_on_meta()
-            model = model.to(torch.bfloat16)
+            model = model.to(torch.bfloat16).eval()
             inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
             if weights == "float8":
                 quantize_(model, Float8WeightOnlyConfig())

@@ -26,6 +26,7 @@ from .plans import Plan
 from .runtime.rank_groups import DEFAULT_TIMEOUT, bounded_groups
 from .runtime.fingerprints import check_fingerprint, weights_digest
 from .runtime.low_precision import check_exchange_dtype
+from .tensor_parts import is_wrapped
 from .runtime.gradients import marked_to_train
 
 
@@ -122,7 +123,8 @@ def partition(model: torch.nn.Module, mesh, example_inputs, *, plan: dict[str, s
     warn_whole_attentions(partitioned.ctx)
     warn_unsplit_linears(partitioned.ctx)
     partitioned.source = weakref.ref(model)
-    requires_grad = [p.requires_grad for p in model.parameters()]
+    # (torchao freezes the weights it quantises and leaves biases as they were: that marks nothing to train)
+    requires_grad = [p.requires_grad for p in model.parameters() if not is_wrapped(p)]
     partitioned.trainable = marked_to_train(requires_grad, model.training)
     if partitioned.trainable and not all(requires_grad):  # an optimizer steps this rank's shards of them (compile()'s
         partitioned.train_weights(name for name, p in model.named_parameters() if p.requires_grad)  # parameters)
@@ -159,9 +161,9 @@ def _padded_to_buckets(model: torch.nn.Module, example_inputs, buckets) -> tuple
 
 def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
     """The model without weights, to trace again for other input shapes: a diffusers model rebuilt from its config
-    on the meta device; any other model is kept as it is (its weights stay referenced)."""
-    if all(p.is_meta for p in model.parameters()):
-        return model
+    on the meta device; any other model, or a quantised one, is kept as it is (its weights stay referenced)."""
+    if all(p.is_meta for p in model.parameters()) or any(is_wrapped(p) for p in model.parameters()):
+        return model  # (a quantised model's config rebuilds a float one)
     if hasattr(model, "config") and hasattr(type(model), "from_config"):
         with torch.device("meta"):
             skeleton = type(model).from_config(model.config)

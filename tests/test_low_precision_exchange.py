@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from partitioner.runtime import low_precision
-from partitioner.testing import cogvideox_inputs, flux_inputs, run_ranks, tiny_cogvideox, tiny_flux
+from partitioner.testing import attempt, cogvideox_inputs, flux_inputs, run_ranks, tiny_cogvideox, tiny_flux
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -46,7 +46,11 @@ def _flux_case(rank: int, world: int) -> dict:
     found = {}
     for name, dtype in (("exact", None), ("e4m3", E4M3), ("bf16", torch.bfloat16)):
         partitioned = partitioner.partition(model, mesh, ((), inputs), exchange_dtype=dtype)
-        actual = partitioned.compile()(**inputs).sample
+        compiled = partitioned.compile()
+        actual = compiled(**inputs).sample
+        if dtype is E4M3:  # a call recording gradients: refused by name (the rounding has no gradient)
+            found["gradients"] = attempt(lambda: compiled(**dict(inputs, hidden_states=inputs["hidden_states"]
+                                                                 .clone().requires_grad_())).sample.sum().backward())
         found[name] = dict(error=((actual - expected).norm() / expected.norm()).item(),
                            all_to_all=[(c.count, c.bytes_per_call) for c in partitioned.report().collectives
                                        if c.kind == "all_to_all"])
@@ -74,6 +78,12 @@ def test_float8_exchange_is_close_and_sends_a_third_of_the_bytes(ulysses2):
         (low_count, low), = found["e4m3"]["all_to_all"]
         assert low_count == count and low == exact // 4 * (head_dim + 4) // head_dim
         assert math.isclose(low / exact, (1 + 4 / head_dim) / 4)
+
+
+def test_gradients_through_a_low_precision_exchange_are_refused_by_name(ulysses2):
+    for found in ulysses2:
+        kind, message, _ = found["gradients"]
+        assert kind == "BackwardUnsupported" and "exchange_dtype is for inference" in message, (kind, message)
 
 
 def test_bfloat16_exchange_halves_the_bytes(ulysses2):

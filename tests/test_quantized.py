@@ -50,7 +50,9 @@ def _case(shape: tuple, names: tuple, model_name: str, kind: str, drop: str | No
     if drop:
         drop_all_reduce(partitioned, drop)
     report = partitioned.report()
-    return dict(expected=expected, actual=partitioned.compile(backend=backend)(**inputs).sample,
+    verified = partitioned.verify(**inputs) if not drop else None  # the payload and scales whole, from the model
+    return dict(expected=expected, actual=partitioned.compile(backend=backend)(**inputs).sample, verified=verified,
+                trainable=partitioned.trainable,
                 styles=dict(partitioned.linear_styles), parameter_bytes=sum(report.parameter_bytes.values()),
                 whole_bytes=sum(p.numel() * p.element_size() for _, p in _parts(model)))
 
@@ -222,3 +224,76 @@ def test_a_quantised_format_no_rule_splits_is_named_not_silent():
     with fake_mesh((2,), ("tp",), 0) as mesh, pytest.warns(PartitionWarning, match=r"cannot split \d+ quantised"):
         partitioned = partitioner.partition(model, mesh, ((), flux_inputs()))
     assert "proj_out.weight: quantised, held whole on every rank: read by _int_mm" in partitioned.explain()
+
+
+def test_verify_reads_quantised_parts_and_nothing_is_marked_to_train(two_ranks):
+    """verify() takes each part whole from the model's quantised weight (it looked for ``...weight.qdata`` among
+    the model's parameters); torchao freezes the weights it quantises and leaves biases alone, which marked the
+    model "to train" (every call then built the training copy)."""
+    for cases in two_ranks:
+        for name in ("int8_tp", "float8_tp", "int8_ulysses"):
+            assert cases[name]["verified"] is not None and not cases[name]["trainable"]
+
+
+class _TwoWeights(torch.nn.Module):
+    """Two products by raw parameters of one module, as ``x @ self.w1`` is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Parameter(torch.randn(16, 64)), torch.nn.Parameter(torch.randn(64, 16))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1) @ self.w2
+
+
+def test_products_by_weights_of_one_module_keep_their_own_decisions():
+    """``x @ self.w1`` then ``@ self.w2`` are two Linears of one module: each keeps its decision under its
+    parameter's name (both were keyed ``blk``: the saved plan kept one, and replaying it built another program)."""
+    import partitioner
+    from partitioner.testing import fake_mesh
+
+    model = torch.nn.Sequential()
+    model.add_module("blk", _TwoWeights())
+    example = ((torch.randn(2, 5, 16),), {})
+    with fake_mesh((2,), ("tp",), 0) as mesh:
+        partitioned = partitioner.partition(model, mesh, example)
+        styles = {path: str(style) for path, style in partitioned.linear_styles.items()}
+        replayed = partitioner.partition(model, mesh, example, plan=partitioner.Plan.of(partitioned))
+    assert styles == {"blk.w1": "colwise", "blk.w2": "rowwise"}
+    assert replayed.collective_counts() == partitioned.collective_counts()
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_tied_quantised_weights_and_another_shape():
+    """A quantised weight tied to two Linears is named as the model names it under either name (export keeps one;
+    it kept torch's ``b.parametrizations.weight.original0``), and a quantised model serves another input shape (its
+    config rebuilt a float skeleton: the new trace's names did not match)."""
+    import partitioner
+    from torchao.quantization import quantize_
+    from partitioner.testing import fake_mesh
+
+    model = _Tied()
+    quantize_(model, _config("int8"))
+    model.b.weight = model.a.weight
+    with fake_mesh((2,), ("tp",), 0) as mesh:
+        partitioned = partitioner.partition(model, mesh, ((torch.randn(2, 3, 32),), {}))
+    names = [gi.target for gi in partitioned.ctx.inputs if gi.is_model_tensor]
+    assert not [name for name in names if "parametrizations" in name], names
+    assert {gi.part_of for gi in partitioned.ctx.inputs if gi.part_of} <= {"a.weight", "b.weight"}
+
+    flux = _quantised(tiny_flux, "float8")
+    inputs = flux_inputs()
+    with fake_mesh((2,), ("tp",), 0) as mesh:
+        partitioned = partitioner.partition(flux, mesh, ((), inputs))
+        other = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:, :5],
+                     txt_ids=inputs["txt_ids"][:5])
+        specialized = partitioned.specialize(((), other))
+    assert specialized.linear_styles == partitioned.linear_styles

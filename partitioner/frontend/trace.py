@@ -166,11 +166,12 @@ def functionalize(program, owner: str):
 
 
 def subclass_part_names(model: torch.nn.Module, exported_names) -> dict[str, tuple[str, str]]:
-    """Export's name of each plain part of a tensor-subclass parameter (torch's parametrization names,
+    """Export's name of each plain part of a tensor-subclass parameter or buffer, under each name it has (tied
+    weights: export keeps one; torch's parametrization names,
     ``<module>.parametrizations.<name>.original<i>``, in ``__tensor_flatten__`` order) -> (the part's name in the
     model's terms, ``<module>.<name>.<attribute>``, and the parameter's FQN). A name export did not use is left out."""
     names = {}
-    for fqn, tensor in model.named_parameters():
+    for fqn, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if not is_wrapped(tensor):
             continue
         module, _, name = fqn.rpartition(".")

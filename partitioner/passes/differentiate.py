@@ -80,7 +80,10 @@ def _pair_collectives(gm: GraphModule, mesh, owner: str) -> None:
                 x, dim, sizes, group_name = issue.args
                 _paired(issue, wait, differentiable.reduce_scattered, (x, dim, sizes, index, group_name))
             else:
-                x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, _order, group_name = issue.args
+                x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, _order, group_name, *low = issue.args
+                if low:
+                    raise BackwardUnsupported(f"{owner}: backward through an exchange in {low[0]} at {_where(issue)}: "
+                                              "exchange_dtype is for inference (its rounding has no gradient)")
                 _paired(issue, wait, differentiable.exchanged,
                         (x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank, group_name))
     for node in graph.nodes:

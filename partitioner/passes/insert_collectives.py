@@ -228,7 +228,9 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     order = device_layout.memory_order(device_layout.strides_on_device(producer, ctx.mesh.device_type))
     # (the wait names the shape it joins: the global one here, this rank's once localize has run)
     # (pieces in a lower precision only where asked for: the arguments, and so the program, are otherwise unchanged)
-    low = ((ctx.exchange_dtype,) if low_precision.applies(producer.meta["val"].dtype, ctx.exchange_dtype) else ())
+    value = producer.meta["val"]
+    low = (ctx.exchange_dtype,) if low_precision.pays(value.shape, value.dtype, ctx.exchange_dtype, required.dim,
+                                                       current.dim) else ()
     restored = (*low, producer.meta["val"].dtype) if low else ()
     exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis), *low),
                        collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order, *restored), axis,

@@ -61,22 +61,52 @@ class _Propagation:
     units: dict[Node, int] = field(default_factory=dict)  # seed -> the coarser unit its sharding must split in
 
 
-def linear_path(linear: Node, fqns: dict[Node, str]) -> str:
-    """A Linear's module path: its weight's, without the last name; for a weight computed from model tensors (a 1x1
-    convolution's weight squeezed, a quantised weight from its parts) the one parameter they all belong to."""
-    owners = {fqns[n] for n in _leaves(linear.args[1]) if n in fqns}
-    return owners.pop().rsplit(".", 1)[0] if len(owners) == 1 else linear.name
+def linear_paths(gm: GraphModule, ctx: PassContext) -> dict[Node, str]:
+    """Each Linear's module path, the key of its decision: its weight's module (the parameter's FQN without its last
+    name; a weight computed from model tensors, a 1x1 convolution's squeezed or a quantised one's parts: the one
+    parameter they belong to), or the node's name for a weight that is no model tensor's. Linears of one module
+    that read other weights (``x @ self.w1`` then ``@ self.w2``; chunks of one fused parameter) are told apart by
+    the parameter's FQN, then by their order; one module called twice keeps one path (one weight, one decision)."""
+    fqns = {node: gi.model_name for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    weights = weight_expressions(gm, ctx)
+    keys = {n: _expression_key(n.args[1], fqns, weights) for n in gm.graph.nodes if n.target is aten.linear.default}
+    owners = {linear: _owner(key) for linear, key in keys.items()}
+    paths = {linear: owner.rsplit(".", 1)[0] if owner else linear.name for linear, owner in owners.items()}
+    for path in set(paths.values()):
+        group = [linear for linear in keys if paths[linear] == path]
+        distinct = list(dict.fromkeys(keys[linear] for linear in group))
+        if len(distinct) < 2:
+            continue
+        named = {key: _owner(key) for key in distinct}
+        for linear in group:
+            owner = named[keys[linear]]
+            same = [key for key in distinct if named[key] == owner]
+            paths[linear] = owner if len(same) == 1 else f"{owner}[{same.index(keys[linear])}]"
+    return paths
 
 
-def _leaves(node: Node) -> set[Node]:
-    """The placeholders a value is computed from."""
-    seen, todo = set(), [node]
+def _expression_key(node: Node, fqns: dict[Node, str], weights: set[Node]) -> tuple | None:
+    """What a weight is, independent of node names: ``("tensor", fqn)`` for a model tensor, ``(op, arguments)`` for
+    the ops that compute it from model tensors (constant arguments as ``("constant", repr)``); None for a value
+    that is not a weight."""
+    if node in fqns:
+        return ("tensor", fqns[node])
+    if node not in weights:
+        return None
+    return (str(node.target), tuple(_expression_key(a, fqns, weights) if isinstance(a, Node) else ("constant", repr(a))
+                                    for a in node.args))
+
+
+def _owner(key: tuple | None) -> str | None:
+    """The one model tensor a weight is computed from (None: none, or several)."""
+    found, todo = set(), [key] if key is not None else []
     while todo:
-        current = todo.pop()
-        if current not in seen:
-            seen.add(current)
-            todo += current.all_input_nodes
-    return {n for n in seen if n.op == "placeholder"}
+        kind, rest = todo.pop()
+        if kind == "tensor":
+            found.add(rest)
+        elif kind != "constant":
+            todo += [part for part in rest if part is not None]
+    return found.pop() if len(found) == 1 else None
 
 
 def _match_overrides(paths: dict[Node, str], plan: dict[str, str]) -> dict[Node, Style]:
@@ -218,14 +248,18 @@ def _wanted(node: Node, decisions: dict[Node, Decision]):
     return next(iter(wanted.values())) if len(wanted) == 1 else None
 
 
+_MOST_OFFERS = 256  # placements tried for one op's inputs (a cat of n weights has 3^n): past it, cut at run time
+
+
 def _offers(node: Node, wanted, degree: int) -> Decision | None:
     """The decision of ``node`` (an op of a weight expression) that gives ``wanted`` from inputs placed as it
-    requires them, with as many inputs sharded as can be (they are then cut at load time); None if none does."""
+    requires them, with as many inputs sharded as can be (they are then cut at load time); None if none does
+    within ``_MOST_OFFERS`` tries (the value is then cut where it is used, exact)."""
     rule, inputs = rule_for(node), [n for n in node.all_input_nodes if shape_of(n)]
     # (a dim of one broadcasts: never cut)
     choices = [[R, *(with_dim(wanted, dim) for dim, size in enumerate(shape_of(n)) if size > 1)] for n in inputs]
     best = None
-    for offered in itertools.product(*choices):
+    for offered in itertools.islice(itertools.product(*choices), _MOST_OFFERS):
         placements = dict(zip(inputs, offered))
         try:
             decision = rule(node, placements, degree)
@@ -295,9 +329,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     too_many = degree_above_heads(ctx.attention, degree)
     if too_many is not None:
         raise too_many
-    fqns = {node: gi.model_name for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
-    paths = {linear: linear_path(linear, fqns) for linear in linears}
+    paths = linear_paths(gm, ctx)
     forced = _match_overrides(paths, ctx.plan)
     for linear, path in paths.items():
         blocks = ctx.packed_overrides.get(path)

@@ -47,7 +47,7 @@ from ..rules.sequence_dims import find_sequence_dims
 from . import plan_sharding
 from .context import PassContext
 from .plan_sequence import ancestors
-from .plan_sharding import linear_path
+from .plan_sharding import linear_paths
 from ..annotations import annotation
 
 AXIS = "tp"
@@ -303,9 +303,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         seeds = {seed: dim for seed, dim in seeds.items() if seed not in upstream}
     for node, (output, inputs) in nested.items():
         annotation(node).placements[AXIS], annotation(node).required[AXIS] = output, inputs
-    fqns = {n: gi.target for n, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
+    paths = linear_paths(gm, ctx)
     for seed in scattered:
-        ctx.reduce_scattered[linear_path(seed, fqns)] = f"reduce-scattered along dim {seeds[seed]} (its rows)"
+        ctx.reduce_scattered[paths[seed]] = f"reduce-scattered along dim {seeds[seed]} (its rows)"
     ctx.tp_sequence = (f"rows sharded over tp: {len(scattered)} partial sums reduce-scattered, "
                        f"{len(gathered)} values all-gathered; {figures}")
     return gm

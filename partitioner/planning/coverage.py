@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tensor_parts import stored_bytes
 from ..decisions import AttentionSequencing, Style
 from ..errors import PartitionerError, TraceError
 from ..kinds import Kind
@@ -91,7 +92,7 @@ def coverage(model: torch.nn.Module, mesh: dict[str, int], example_inputs, **opt
             weight = getattr(model.get_submodule(path), "weight", None)
         except AttributeError:
             weight = None
-        sizes[path] = (weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0,
+        sizes[path] = (stored_bytes(weight) if isinstance(weight, torch.Tensor) else 0,
                        decided.style is not Style.REPLICATE)
     total = sum(size for size, _ in sizes.values())
     sharded = sum(size for size, split in sizes.values() if split)

@@ -88,7 +88,7 @@ def all_to_all_start(x: torch.Tensor, scatter_dim: int, gather_dim: int, scatter
     x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)
     shapes = _received_shapes(list(x.shape), scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
     if low_precision.applies(x.dtype, exchange_dtype):
-        rows = low_precision.row_dim(x.dim(), scatter_dim, gather_dim)
+        rows = low_precision.row_dim(x.shape, scatter_dim, gather_dim)
         pieces = [low_precision.encode(piece, exchange_dtype, rows) for piece in x.split(scatter_sizes, scatter_dim)]
         received = [low_precision.encoded_bytes(shape, exchange_dtype, rows) for shape in shapes]
         return functional.all_to_all_single(torch.cat(pieces), received, [p.numel() for p in pieces], group_name)
@@ -110,7 +110,7 @@ def all_to_all_wait(issued: torch.Tensor, shape: list[int], scatter_dim: int, ga
     shapes = _received_shapes(shape, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index)
     received = functional.wait_tensor(issued)
     if low_precision.applies(dtype, exchange_dtype):
-        rows = low_precision.row_dim(len(shape), scatter_dim, gather_dim)
+        rows = low_precision.row_dim(shape, scatter_dim, gather_dim)
         parts = received.split([low_precision.encoded_bytes(piece, exchange_dtype, rows) for piece in shapes])
         joined = torch.cat([low_precision.decode(part, piece, exchange_dtype, dtype, rows)
                             for part, piece in zip(parts, shapes)], dim=gather_dim)

@@ -2,8 +2,9 @@
 float8 with one float32 scale per row, or to bfloat16, before they are sent, and restored to the value's dtype when
 they arrive. Sums (all_reduce, reduce_scatter) never travel so: their error would grow with the rank count.
 
-A row is a run along the value's last dim that the exchange neither splits nor joins (a head's ``head_dim`` for
-Ulysses' query, key, value and output): its scale is its largest magnitude over the float8 dtype's largest finite
+A row is a run along the value's longest dim that the exchange neither splits nor joins (a head's ``head_dim`` for
+Ulysses' query, key, value and output); a value with no such dim, or rows too short to pay for their scales,
+travels in its own dtype. A row's scale is its largest magnitude over the float8 dtype's largest finite
 value, so every element is represented with the dtype's relative precision (e4m3: 2^-4) and none saturates. A piece
 travels as its encoded bytes followed by its scales' bytes, one uint8 buffer per exchange: the collective's size
 in the report is what is sent, scales included.
@@ -28,10 +29,22 @@ def applies(dtype: torch.dtype | None, exchange_dtype: torch.dtype | None) -> bo
             and torch.finfo(dtype).bits > torch.finfo(exchange_dtype).bits)
 
 
-def row_dim(ndim: int, scatter_dim: int, gather_dim: int) -> int | None:
-    """The dim a scale covers: the last one the exchange neither splits nor joins (None: one scale per piece)."""
-    free = [dim for dim in range(ndim) if dim not in (scatter_dim, gather_dim)]
-    return free[-1] if free else None
+def row_dim(shape, scatter_dim: int, gather_dim: int) -> int | None:
+    """The dim a scale covers: the longest one the exchange neither splits nor joins (the last of equals: a head's
+    ``head_dim`` for Ulysses' [batch, heads, rows, head_dim]); None where there is none."""
+    free = [dim for dim in range(len(shape)) if dim not in (scatter_dim, gather_dim)]
+    return max(reversed(free), key=lambda dim: shape[dim]) if free else None
+
+
+def pays(shape, dtype: torch.dtype, exchange_dtype: torch.dtype | None, scatter_dim: int, gather_dim: int) -> bool:
+    """Whether a value of ``shape`` and ``dtype`` travels in ``exchange_dtype``: a wider floating value, in fewer
+    bytes than its own (a float8 row needs a dim of its own for its scale, and enough elements to pay for it)."""
+    if not applies(dtype, exchange_dtype):
+        return False
+    rows = row_dim(shape, scatter_dim, gather_dim)
+    if rows is None and exchange_dtype in SCALED:
+        return False
+    return encoded_bytes(shape, exchange_dtype, rows) < math.prod(shape) * dtype.itemsize
 
 
 def _scale_shape(shape, rows: int | None) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 
+from ..tensor_parts import plain_parts
 from ..errors import VerificationError
 from ..source import source_line
 from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
@@ -201,9 +202,12 @@ def _whole_state(partitioned, model: torch.nn.Module) -> dict[str, torch.Tensor]
         if not gi.is_model_tensor:
             continue
         if gi.target in partitioned.slice_specs:
-            if gi.target not in named:
+            tensor = named.get(gi.target)
+            if gi.part_of is not None and gi.part_of in named:  # a quantised weight's payload or scales
+                tensor = dict(plain_parts(named[gi.part_of], gi.part_of)).get(gi.target)
+            if tensor is None:
                 raise VerificationError(f"verify needs the whole {gi.target!r}, which the model does not hold")
-            whole[gi.target] = named[gi.target].detach().to(partitioned.state[gi.target].device)
+            whole[gi.target] = tensor.detach().to(partitioned.state[gi.target].device)
         else:
             whole[gi.target] = partitioned.state[gi.target]
     return whole
