@@ -11,7 +11,9 @@ Three tables (``--write`` puts them in docs/quantized.md between its markers):
    ``exchange_dtype``: relative L2 of the denoised latents and of the decoded output;
 3. full-size MiniMax-H3 (33B) on the meta device, planned for rank 0 of TP=8 and TP=8 x Ulysses=4: per-rank
    parameter bytes and bytes sent per step, bf16 weights against torchao's float8 weights (its own tensors, on
-   meta) and against float8 exchanges.
+   meta) and against float8 exchanges;
+4. with ``--timing N``: step times (medians of N interleaved steps) of the mid-size H3 of ``tp_step.py`` in bf16
+   on 2 gloo ranks: Ulysses=2 with the exchange in bf16 and in e4m3, TP=2 with bf16 and float8 weights.
 The float8 exchange's bytes depend on the row it scales: a float32 scale per ``head_dim`` elements, so
 (1 + 4/head_dim)/2 of bf16 (0.516 at H3's 128; the tiny models' 16 give 0.625).
 """
@@ -164,6 +166,62 @@ def h3_table() -> list[str]:
     return lines
 
 
+def _timing_case(rank: int, world: int, repeats: int) -> dict:
+    """The mid-size H3 of ``tp_step.py`` in bf16 (one thread per rank): step times of interleaved variants, each
+    step of every variant in turn, ranks synchronised by a barrier around every step."""
+    import os
+    import statistics
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    import partitioner
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tp_step import MID, ROWS, _inputs, _model
+
+    torch.set_num_threads(1)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _inputs(MID, ROWS).items()}
+    variants = {}
+    for label, axis, weights, exchange in (("Ulysses=2, bf16 exchange", "ulysses", "bf16", None),
+                                           ("Ulysses=2, e4m3 exchange", "ulysses", "bf16", E4M3),
+                                           ("TP=2, bf16 weights", "tp", "bf16", None),
+                                           ("TP=2, float8 weights", "tp", "float8", None)):
+        model = _model(MID).to(torch.bfloat16).eval()
+        if weights == "float8":
+            quantize_(model, Float8WeightOnlyConfig())
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = partitioner.partition(model, mesh, ((), inputs), exchange_dtype=exchange).compile()
+        variants[label] = compiled
+    times = {label: [] for label in variants}
+    with torch.no_grad():
+        for step in range(repeats + 2):
+            for label, compiled in variants.items():
+                dist.barrier()
+                start = time.perf_counter()
+                compiled(**inputs, return_dict=False)
+                dist.barrier()
+                if step >= 2:  # (two warm-up steps)
+                    times[label].append(time.perf_counter() - start)
+    return {label: (statistics.median(t), min(t), max(t)) for label, t in times.items()}
+
+
+def timing_table(repeats: int) -> list[str]:
+    from partitioner.testing import run_ranks
+
+    found = run_ranks(2, _timing_case, repeats)[0]
+    lines = ["| variant (mid-size H3, bf16, 2 gloo ranks) | ms/step median | range | vs its bf16 row |",
+             "|---|---|---|---|"]
+    for label, (median, low, high) in found.items():
+        base = found["Ulysses=2, bf16 exchange" if "Ulysses" in label else "TP=2, bf16 weights"][0]
+        lines.append(f"| {label} | {median * 1e3:.0f} | {low * 1e3:.0f}-{high * 1e3:.0f} | {median / base:.2f}x |")
+    return lines
+
+
 def _write(sections: dict[str, list[str]]) -> None:
     path = Path(__file__).resolve().parent.parent / "docs" / "quantized.md"
     text = path.read_text()
@@ -183,6 +241,8 @@ def main() -> None:
     parser.add_argument("--skip-zoo", action="store_true")
     parser.add_argument("--skip-pipelines", action="store_true")
     parser.add_argument("--skip-h3", action="store_true")
+    parser.add_argument("--timing", type=int, default=0, metavar="REPEATS",
+                        help="also time the variants side by side (interleaved steps; a quiet machine)")
     parser.add_argument("--write", action="store_true", help="write the tables into docs/quantized.md")
     options = parser.parse_args()
     sections = {}
@@ -192,6 +252,8 @@ def main() -> None:
         sections["pipelines"] = pipeline_table(options.pipelines)
     if not options.skip_zoo:
         sections["zoo"] = zoo_table(options.models)
+    if options.timing:
+        sections["timing"] = timing_table(options.timing)
     for lines in sections.values():
         print("\n".join(lines) + "\n")
     if options.write:

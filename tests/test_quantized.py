@@ -297,3 +297,30 @@ def test_tied_quantised_weights_and_another_shape():
                      txt_ids=inputs["txt_ids"][:5])
         specialized = partitioned.specialize(((), other))
     assert specialized.linear_styles == partitioned.linear_styles
+
+
+@pytest.mark.parametrize("name, kind", [("wan", "int8"), ("cogview4", "float8")])
+def test_quantised_zoo_models_split_like_their_float_twins(name, kind):
+    """Wan normalises q and k over all heads after a quantised projection's scale and bias (the norm stayed whole:
+    the per-feature scale and a flatten/unflatten pair hid the Linear), and CogView4 traces a dequantised weight
+    nothing reads (it kept its parts whole on every rank). Every split Linear's parts are cut at load."""
+    import warnings
+
+    import partitioner
+    from torchao.quantization import quantize_
+    from partitioner.testing import fake_mesh
+    from partitioner.testing.zoo import build, inputs
+
+    example = inputs(name)
+    model = build(name)
+    quantize_(model, _config(kind))
+    with fake_mesh((2,), ("tp",), 0) as mesh, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        float_styles = partitioner.partition(build(name), mesh, example).linear_styles
+        partitioned = partitioner.partition(model, mesh, example)
+    assert partitioned.linear_styles == float_styles
+    split = {path for path, style in partitioned.linear_styles.items() if str(style) != "replicate"}
+    whole = [gi.target for gi in partitioned.ctx.inputs
+             if gi.part_of and gi.part_of.rsplit(".", 1)[0] in split and gi.target not in partitioned.slice_specs
+             and gi.target.endswith(".qdata")]
+    assert split and not whole, whole

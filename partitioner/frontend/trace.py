@@ -236,6 +236,19 @@ def movedim_as_permute(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int]]:
     return x, [d if d != -1 else next(rest) for d in dims]
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+
+
+def _view_back(node: torch.fx.Node) -> bool:
+    """A view of a view that gives back the first one's input's shape: that input itself."""
+    source = node.args[0] if node.target in _VIEWS else None
+    if not (isinstance(source, torch.fx.Node) and source.target in _VIEWS
+            and isinstance(source.args[0], torch.fx.Node)):
+        return False
+    before, after = source.args[0].meta.get("val"), node.meta.get("val")
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape
+
+
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     """Remove what export leaves that describes the trace rather than the model: ``_assert_tensor_metadata`` checks
     (they pin the trace-time device, meta or cpu); ``aten.to.dtype`` to the dtype a value has (H3 casts its rotary
@@ -243,7 +256,8 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
     dropouts, and clones that keep a contiguous value's layout in a graph without in-place writes (functionalization
     leaves one per dropout): copies the model never asked for (a clone the graph returns stays: the caller owns it).
     Ops export keeps under another name are given the one the rules know: ``concatenate`` and ``concat`` are
-    ``cat``, ``movedim`` a ``permute``."""
+    ``cat``, ``movedim`` a ``permute``; a view straight back to its source's source's shape is that source's source
+    (functionalization leaves a flatten and an unflatten around bias adds)."""
     functional = not _writes_in_place(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -263,6 +277,9 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             node.target = torch.ops.aten.cat.default
         elif node.target in _MOVEDIM:  # a view the rules know as permute (x.movedim(1, -1) before a norm)
             node.target, node.args, node.kwargs = torch.ops.aten.permute.default, movedim_as_permute(node), {}
+        elif functional and _view_back(node):  # a flatten and its unflatten (functionalized bias adds leave them)
+            node.replace_all_uses_with(node.args[0].args[0])
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
 

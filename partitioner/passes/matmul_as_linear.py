@@ -9,8 +9,9 @@ flattens its input, multiplies by the cast payload, scales each output column an
 
 and its float8 weight-only Linear is ``matmul(x, to(to(t(qdata)) * t(scale)))``, a weight dequantised from its
 parts. The weight expression stays in the graph, computed on every rank from the parts it holds: ``plan_sharding``
-places the parts through it, so they are cut when they are loaded. Requires: nothing. Guarantees: no ``mm`` or
-``matmul`` of a value by a 2-D weight expression is left.
+places the parts through it, so they are cut when they are loaded (a weight expression nothing reads is dropped:
+it would keep its parts whole). Requires: nothing. Guarantees: no ``mm`` or ``matmul`` of a value by a 2-D weight
+expression is left.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     weights = weight_expressions(gm, ctx)
     for product in [n for n in gm.graph.nodes if is_product_by_weight(n, weights)]:
         _rewrite(gm.graph, product)
+    for node in reversed(list(gm.graph.nodes)):  # weights computed and never read: they would pin their parts whole
+        if node in weights and node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
     return gm
 
 

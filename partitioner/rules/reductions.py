@@ -70,20 +70,27 @@ def norm(node: Node, placements, axis_size: int) -> Decision:
     return decision
 
 
-# Ops a projection's output may pass through (cast, squared) before its norm's statistics.
-_ON_THE_WAY = {aten.pow.Tensor_Scalar, aten._to_copy.default, aten.to.dtype, aten.mul.Tensor, aten.square.default}
+# Ops a projection's output may pass through (cast, squared, scaled and shifted per feature) before its norm's
+# statistics.
+_ON_THE_WAY = {aten.pow.Tensor_Scalar, aten._to_copy.default, aten.to.dtype, aten.mul.Tensor, aten.square.default,
+               aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
 
 
-def _projected(node: Node, steps: int = 4) -> bool:
-    """``node`` is a Linear's output, perhaps cast or squared (``x.float().pow(2)``): a column-parallel region whose
-    norm pays one small all_reduce to stay sharded. A norm of anything else (the residual stream after a gated
-    add) is not split: its consumers would turn row-parallel, trading small reductions for large ones."""
+def _projected(node: Node, steps: int = 6) -> bool:
+    """``node`` is a Linear's output, perhaps cast, squared (``x.float().pow(2)``) or scaled and shifted per
+    feature (a quantised Linear's scales and bias, applied after its product): a column-parallel region whose norm
+    pays one small all_reduce to stay sharded. A norm of anything else (the residual stream after a gated add) is
+    not split: its consumers would turn row-parallel, trading small reductions for large ones."""
     for _ in range(steps):
         if node.target is aten.linear.default:
             return True
-        if node.target not in _ON_THE_WAY or len(set(node.all_input_nodes)) != 1:
+        if node.target not in _ON_THE_WAY:
             return False
-        node = node.all_input_nodes[0]
+        full = {n for n in node.all_input_nodes if shape_of(n) == shape_of(node)}
+        others = [n for n in node.all_input_nodes if n not in full]
+        if len(full) != 1 or any(len(shape_of(n) or ()) > 1 for n in others):  # (per feature: vectors, scalars)
+            return False
+        node = full.pop()
     return False
 
 
