@@ -324,3 +324,44 @@ def test_quantised_zoo_models_split_like_their_float_twins(name, kind):
              if gi.part_of and gi.part_of.rsplit(".", 1)[0] in split and gi.target not in partitioned.slice_specs
              and gi.target.endswith(".qdata")]
     assert split and not whole, whole
+
+
+class _Reordered(torch.nn.Module):
+    """A weight built from a list of one parameter's pieces (``cat``): its Linear is still the module's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(128, 64))
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(torch.nn.functional.linear(x, torch.cat([self.w[64:], self.w[:64]]))))
+
+
+class _DataDependentRows(torch.nn.Module):
+    """Rows picked by a data-dependent index, flattened and regrouped: views of views of unbacked sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.lin = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Linear(3, 16)
+
+    def forward(self, ids):
+        rows = torch.nonzero(ids).flatten()
+        torch._check(rows.shape[0] <= 12)
+        return self.lin(self.table[rows].reshape(-1).reshape(-1, 3))
+
+
+def test_plan_keys_follow_lists_of_weights_and_views_of_unbacked_sizes_trace():
+    """A weight made by ``cat`` of a parameter's pieces keys its Linear by the module (a list argument was keyed by
+    node names); a view of a view over data-dependent rows is left as it is (comparing its sizes guarded on them:
+    the trace's clean-up raised)."""
+    import partitioner
+
+    reordered = partitioner.partition(_Reordered(), {"tp": 2}, ((torch.randn(2, 8, 64),), {}))
+    assert set(reordered.linear_styles) == {"w", "down"}  # (a top-level parameter: its own name)
+    model = _DataDependentRows()
+    ids = torch.tensor([1, 0, 1, 1])
+    with torch.no_grad():
+        expected = model(ids)
+    partitioned = partitioner.partition(model, {"tp": 2}, ((ids,), {}))
+    assert "lin" in partitioned.linear_styles and expected.shape == (6, 16)  # 3 rows of 6, regrouped by 3

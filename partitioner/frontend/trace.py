@@ -246,7 +246,10 @@ def _view_back(node: torch.fx.Node) -> bool:
             and isinstance(source.args[0], torch.fx.Node)):
         return False
     before, after = source.args[0].meta.get("val"), node.meta.get("val")
-    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return False
+    sizes = (*before.shape, *after.shape)  # (data-dependent sizes are never compared: that would guard on them)
+    return all(isinstance(size, int) for size in sizes) and before.shape == after.shape
 
 
 def clean_export_graph(gm: torch.fx.GraphModule) -> None:
@@ -278,8 +281,11 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
         elif node.target in _MOVEDIM:  # a view the rules know as permute (x.movedim(1, -1) before a norm)
             node.target, node.args, node.kwargs = torch.ops.aten.permute.default, movedim_as_permute(node), {}
         elif functional and _view_back(node):  # a flatten and its unflatten (functionalized bias adds leave them)
-            node.replace_all_uses_with(node.args[0].args[0])
+            first = node.args[0]
+            node.replace_all_uses_with(first.args[0])
             gm.graph.erase_node(node)
+            if not first.users:
+                gm.graph.erase_node(first)
     gm.graph.lint()
     gm.recompile()
 

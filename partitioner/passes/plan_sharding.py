@@ -73,7 +73,8 @@ def linear_paths(gm: GraphModule, ctx: PassContext) -> dict[Node, str]:
     owners = {linear: _owner(key) for linear, key in keys.items()}
     paths = {linear: owner.rsplit(".", 1)[0] if owner else linear.name for linear, owner in owners.items()}
     for path in set(paths.values()):
-        group = [linear for linear in keys if paths[linear] == path]
+        # (a weight that is no model tensor's keeps its node's name, even where it is a module's path)
+        group = [linear for linear in keys if paths[linear] == path and owners[linear] is not None]
         distinct = list(dict.fromkeys(keys[linear] for linear in group))
         if len(distinct) < 2:
             continue
@@ -93,8 +94,14 @@ def _expression_key(node: Node, fqns: dict[Node, str], weights: set[Node]) -> tu
         return ("tensor", fqns[node])
     if node not in weights:
         return None
-    return (str(node.target), tuple(_expression_key(a, fqns, weights) if isinstance(a, Node) else ("constant", repr(a))
-                                    for a in node.args))
+
+    def argument(value):
+        if isinstance(value, Node):
+            return _expression_key(value, fqns, weights)
+        if isinstance(value, (list, tuple)):  # (a cat's list of weights)
+            return ("list", tuple(argument(item) for item in value))
+        return ("constant", repr(value))
+    return (str(node.target), tuple(argument(a) for a in (*node.args, *sorted(node.kwargs.items()))))
 
 
 def _owner(key: tuple | None) -> str | None:
@@ -104,8 +111,8 @@ def _owner(key: tuple | None) -> str | None:
         kind, rest = todo.pop()
         if kind == "tensor":
             found.add(rest)
-        elif kind != "constant":
-            todo += [part for part in rest if part is not None]
+        elif kind != "constant":  # an op's arguments, a list's items
+            todo += [part for part in rest if isinstance(part, tuple) and len(part) == 2]
     return found.pop() if len(found) == 1 else None
 
 
@@ -301,7 +308,8 @@ def _whole_quantised(gm: GraphModule, ctx: PassContext, linear_paths: set[str]) 
     weights = weight_expressions(gm, ctx)
     for node, graph_input in ctx.placeholder_inputs(gm).items():
         owner = graph_input.part_of
-        if owner is None or owner.rsplit(".", 1)[0] in linear_paths:
+        if owner is None or owner.rsplit(".", 1)[0] in linear_paths or owner in linear_paths \
+                or any(path.startswith(f"{owner}[") for path in linear_paths):
             continue
         readers = found.setdefault(owner, set())
         todo = list(node.users)
