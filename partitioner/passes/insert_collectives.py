@@ -231,10 +231,10 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     value = producer.meta["val"]
     low = (ctx.exchange_dtype,) if low_precision.pays(value.shape, value.dtype, ctx.exchange_dtype, required.dim,
                                                        current.dim) else ()
-    restored = (*low, producer.meta["val"].dtype) if low else ()
+    restored = (*low, value.dtype) if low else ()
     exchange = _issued(producer, collectives.all_to_all_start, (*dims, order, ctx.mesh.group_name(axis), *low),
-                       collectives.all_to_all_wait, (list(producer.meta["val"].shape), *dims, order, *restored), axis,
-                       current, required, "all_to_all")
+                       collectives.all_to_all_wait, (list(value.shape), *dims, order, *restored), axis, current,
+                       required, "all_to_all")
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         annotation(exchange).rank_order = (axis, current.blocks)
     return exchange

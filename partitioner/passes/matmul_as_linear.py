@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
+from ..rules import shape_of
 from .context import PassContext
 from .pointwise_convs import new_node
 
@@ -39,16 +40,11 @@ def weight_expressions(gm: GraphModule, ctx: PassContext) -> set[Node]:
     return found
 
 
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def is_product_by_weight(node: Node, weights: set[Node]) -> bool:
     if node.target not in _PRODUCTS or len(node.args) != 2 or node.kwargs:
         return False
     a, b = node.args
-    return b in weights and a not in weights and len(_shape(b) or ()) == 2 and len(_shape(a) or ()) >= 2
+    return b in weights and a not in weights and len(shape_of(b) or ()) == 2 and len(shape_of(a) or ()) >= 2
 
 
 def _unflattened(product: Node) -> tuple[Node, list[Node], Node] | None:
@@ -58,13 +54,13 @@ def _unflattened(product: Node) -> tuple[Node, list[Node], Node] | None:
     if flat.target not in _FLATTENS or len(flat.users) != 1:
         return None
     x = flat.args[0]
-    lead = _shape(x)[:-1]
-    if not lead or len(lead) < 2 or _shape(x)[-1] != _shape(flat)[1] or math.prod(lead) != _shape(flat)[0]:
+    lead = shape_of(x)[:-1]
+    if not lead or len(lead) < 2 or shape_of(x)[-1] != shape_of(flat)[1] or math.prod(lead) != shape_of(flat)[0]:
         return None
     chain, value = [], product
     while len(value.users) == 1:
         user = next(iter(value.users))
-        if user.target in _FLATTENS and _shape(user) == (*lead, _shape(product)[1]):
+        if user.target in _FLATTENS and shape_of(user) == (*lead, shape_of(product)[1]):
             return x, chain, user
         if not _columnwise(user, value):
             return None
@@ -78,9 +74,9 @@ def _columnwise(node: Node, value: Node) -> bool:
     target = node.target
     if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags) or node.kwargs:
         return False
-    if _shape(node) != _shape(value) or sum(arg is value for arg in node.args) != 1:
+    if shape_of(node) != shape_of(value) or sum(arg is value for arg in node.args) != 1:
         return False
-    return all(len(_shape(other) or ()) <= 1 for other in node.all_input_nodes if other is not value)
+    return all(len(shape_of(other) or ()) <= 1 for other in node.all_input_nodes if other is not value)
 
 
 def _rewrite(graph, product: Node) -> None:
@@ -92,12 +88,12 @@ def _rewrite(graph, product: Node) -> None:
         linear = new_node(graph, aten.linear.default, (x, weight), product,
                           torch.nn.functional.linear(x.meta["val"], weight.meta["val"]))
     if unflattened is None:
-        if _shape(linear) == _shape(product):
+        if shape_of(linear) == shape_of(product):
             product.replace_all_uses_with(linear)
         else:  # mm of a flattened input whose result is used flat: the linear's rows flattened alike
             with graph.inserting_before(product):
-                flat = new_node(graph, aten.reshape.default, (linear, list(_shape(product))), product,
-                                linear.meta["val"].reshape(_shape(product)))
+                flat = new_node(graph, aten.reshape.default, (linear, list(shape_of(product))), product,
+                                linear.meta["val"].reshape(shape_of(product)))
             product.replace_all_uses_with(flat)
         graph.erase_node(product)
         return

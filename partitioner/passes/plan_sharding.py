@@ -61,14 +61,14 @@ class _Propagation:
     units: dict[Node, int] = field(default_factory=dict)  # seed -> the coarser unit its sharding must split in
 
 
-def linear_paths(gm: GraphModule, ctx: PassContext) -> dict[Node, str]:
+def linear_paths(gm: GraphModule, ctx: PassContext, weights: set[Node] | None = None) -> dict[Node, str]:
     """Each Linear's module path, the key of its decision: its weight's module (the parameter's FQN without its last
     name; a weight computed from model tensors, a 1x1 convolution's squeezed or a quantised one's parts: the one
     parameter they belong to), or the node's name for a weight that is no model tensor's. Linears of one module
     that read other weights (``x @ self.w1`` then ``@ self.w2``; chunks of one fused parameter) are told apart by
     the parameter's FQN, then by their order; one module called twice keeps one path (one weight, one decision)."""
     fqns = {node: gi.model_name for node, gi in ctx.placeholder_inputs(gm).items() if gi.is_model_tensor}
-    weights = weight_expressions(gm, ctx)
+    weights = weight_expressions(gm, ctx) if weights is None else weights
     keys = {n: _expression_key(n.args[1], fqns, weights) for n in gm.graph.nodes if n.target is aten.linear.default}
     owners = {linear: _owner(key) for linear, key in keys.items()}
     paths = {linear: owner.rsplit(".", 1)[0] if owner else linear.name for linear, owner in owners.items()}
@@ -280,13 +280,12 @@ def _offers(node: Node, wanted, degree: int) -> Decision | None:
     return best[1] if best else None
 
 
-def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decision], placements,
+def _place_state(gm: GraphModule, ctx: PassContext, weights: set[Node], decisions: dict[Node, Decision], placements,
                  degree: int) -> None:
     """Parameters and buffers take the placement their consumers need, so they are sliced at load time. So do
     the ops of a weight expression (computed from them alone, ``matmul_as_linear``: a quantised weight dequantised
     from its payload and scales, a 1x1 convolution's weight squeezed, ``pointwise_convs``), from the last back:
     each takes the placement its consumers need where its rule gives it from sharded inputs, which then need it."""
-    weights = weight_expressions(gm, ctx)
     for node in reversed([n for n in gm.graph.nodes if n in weights and n.op == "call_function"]):
         wanted = _wanted(node, decisions)
         if not is_sharded(wanted) or placements.get(node) == wanted:
@@ -300,26 +299,27 @@ def _place_state(gm: GraphModule, ctx: PassContext, decisions: dict[Node, Decisi
             placements[node] = wanted
 
 
-def _whole_quantised(gm: GraphModule, ctx: PassContext, linear_paths: set[str]) -> dict[str, str]:
-    """Quantised parameters (parts of a tensor subclass) that no Linear reads (torchao's int8 dynamic-activation
-    Linear is an ``_int_mm`` of quantised activations, not a product by a weight): parameter -> the ops reading
-    them. They stay whole on every rank, exact and not split: said, never silent."""
-    found: dict[str, set[str]] = {}
-    weights = weight_expressions(gm, ctx)
+def _whole_quantised(gm: GraphModule, ctx: PassContext, weights: set[Node]) -> dict[str, str]:
+    """Quantised parameters (parts of a tensor subclass) none of whose parts is read as a Linear's weight (torchao's
+    int8 dynamic-activation Linear is an ``_int_mm`` of quantised activations, not a product by a weight):
+    parameter -> the ops reading them. They stay whole on every rank, exact and not split: said, never silent."""
+    readers: dict[str, set[str]] = {}
+    as_weight: set[str] = set()
     for node, graph_input in ctx.placeholder_inputs(gm).items():
         owner = graph_input.part_of
-        if owner is None or owner.rsplit(".", 1)[0] in linear_paths or owner in linear_paths \
-                or any(path.startswith(f"{owner}[") for path in linear_paths):
+        if owner is None:
             continue
-        readers = found.setdefault(owner, set())
-        todo = list(node.users)
+        found = readers.setdefault(owner, set())
+        todo = [(node, user) for user in node.users]
         while todo:  # through the weight's own casts and views to the ops that read it with activations
-            user = todo.pop()
+            value, user = todo.pop()
             if user in weights:
-                todo += user.users
+                todo += [(user, reader) for reader in user.users]
+            elif user.target is aten.linear.default and user.args[1] is value:
+                as_weight.add(owner)
             else:
-                readers.add(str(user.target).removeprefix("aten.").removesuffix(".default"))
-    return {owner: ", ".join(sorted(readers)) for owner, readers in found.items()}
+                found.add(str(user.target).removeprefix("aten.").removesuffix(".default"))
+    return {owner: ", ".join(sorted(found)) for owner, found in readers.items() if owner not in as_weight}
 
 
 def _decided(linear: Node, decision: Decision, roles: LinearRoles, degree: int, gathered: bool) -> LinearSharding:
@@ -338,7 +338,8 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if too_many is not None:
         raise too_many
     linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
-    paths = linear_paths(gm, ctx)
+    weights = weight_expressions(gm, ctx)
+    paths = linear_paths(gm, ctx, weights)
     forced = _match_overrides(paths, ctx.plan)
     for linear, path in paths.items():
         blocks = ctx.packed_overrides.get(path)
@@ -371,9 +372,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     and not is_sharded(sweep.placements[linear.args[0]]) and _cheap_rowwise(linear, degree)):
                 roles.rowwise.add(linear)
     sweep = _propagate(gm, roles, gathered, degree)
-    _place_state(gm, ctx, sweep.decisions, sweep.placements, degree)
+    _place_state(gm, ctx, weights, sweep.decisions, sweep.placements, degree)
     if degree > 1:
-        ctx.whole_quantised = _whole_quantised(gm, ctx, set(paths.values()))
+        ctx.whole_quantised = _whole_quantised(gm, ctx, weights)
 
     for node in gm.graph.nodes:
         annotation(node).placements = {AXIS: sweep.placements.get(node)}
