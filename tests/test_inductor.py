@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from partitioner.testing import TINY_H3, h3_inputs, run_ranks, tiny_h3
+from partitioner.testing import TINY_H3, attempt, h3_inputs, run_ranks, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 LAYOUTS = {"tp2": ((2,), ("tp",)), "u2": ((2,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses")),
@@ -37,7 +37,12 @@ def _inductor_vs_eager(rank: int, world: int, layout: str) -> dict:
     compiled = partitioned.compile("inductor")
     first = compiled(**inputs, return_dict=False)
     again = compiled(**inputs, return_dict=False)
-    return dict(expected=expected, eager=eager, inductor=first, again=again)
+    # rank 1 called with other latents: refused on every rank where the regions settle the agreement, before the
+    # first region with a collective (after compute), in the user's words; the partition stays usable
+    other = dict(inputs, hidden_states=inputs["hidden_states"] + rank)
+    refused = attempt(lambda: compiled(**other, return_dict=False))
+    after = compiled(**inputs, return_dict=False)
+    return dict(expected=expected, eager=eager, inductor=first, again=again, refused=refused, after=after)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -49,8 +54,10 @@ def test_inductor_matches_eager_and_single_device(layout):
         for compiled, eager, expected in zip(result["inductor"], result["eager"], result["expected"]):
             torch.testing.assert_close(compiled, eager, **TOLERANCE)
             torch.testing.assert_close(compiled, expected, **TOLERANCE)
-        for first, again in zip(result["inductor"], result["again"]):
-            assert torch.equal(first, again)
+        for first, again, after in zip(result["inductor"], result["again"], result["after"]):
+            assert torch.equal(first, again) and torch.equal(first, after)
+        kind, message, _ = result["refused"]
+        assert kind == "InputError" and "hidden_states" in message and "While executing" not in message, message
 
 
 def _compile_counts(rank: int, world: int) -> dict:

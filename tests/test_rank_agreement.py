@@ -8,6 +8,7 @@ within a few seconds of the partition's timeout, and then the next good call exa
 from __future__ import annotations
 
 import time
+import traceback
 
 import pytest
 import torch
@@ -122,12 +123,12 @@ def _peer_fails_mid_call(rank, world):
     model, inputs = tiny_h3(), h3_inputs(TINY_H3)
     partitioned = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT)
     compiled = partitioned.compile()
-    if rank == 1:
-        graph = partitioned.graph_module.graph
+    if rank == 1:  # (the program that runs: the eager backend's copy, which settles the agreement)
+        graph = compiled.lowered.graph
         reduce = [n for n in graph.nodes if annotation(n).collective == ("all_reduce", "tp")][3]
         with graph.inserting_before(reduce):
             graph.call_function(_injected_failure, ())
-        partitioned.graph_module.recompile()
+        compiled.lowered.recompile()
     failed = attempt(lambda: compiled(**inputs))
     again = attempt(lambda: compiled(**inputs))
     rebuilt = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
@@ -147,6 +148,55 @@ def test_a_failure_inside_the_program_marks_the_partition_unusable_on_every_rank
     for again in (again0, again1):
         assert again[0] == "PartitionUnusable" and again[2] < 1
     assert error0 <= TOLERANCE and error1 <= TOLERANCE  # a rebuilt partition runs exactly
+
+
+def _agreement_overlaps(rank, world, settles: bool):
+    """TP=2, eager: a good call (where its agreement is settled: inside the program, after compute), then rank 1
+    rejects its call. ``settles=False``: the negative control, a program that skips the settle (the planned graph,
+    with no settle node) yet claims to settle it, so nothing waits for the agreement before the first collective."""
+    from partitioner.runtime import agreement
+
+    model, inputs = tiny_h3(), h3_inputs(TINY_H3)
+    compiled = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
+    program = compiled.lowered
+    settled_from, settle = [], agreement.PendingAgreement._settle
+
+    def spying(pending):
+        settled_from.append([frame.f_code.co_name for frame, _ in traceback.walk_stack(None)][1:4])
+        return settle(pending)
+
+    agreement.PendingAgreement._settle = spying
+    try:
+        error = _error(model, compiled, inputs)
+    finally:
+        agreement.PendingAgreement._settle = settle
+    if not settles:
+        compiled.program.lowered = compiled.partitioned.graph_module
+        compiled.partitioned.graph_module.settles_agreement = True
+    call = dict(inputs)
+    if rank == 1:
+        call["hidden_states"] = call["hidden_states"][..., :-1]  # (its first Linear fails ahead of the settle)
+    outcome = attempt(lambda: compiled(**call))
+    first = next(n for n in program.graph.nodes if annotation(n).collective is not None)
+    return dict(error=error, settled_from=settled_from, outcome=outcome,
+                before_settle=[n.op for n in program.graph.nodes][:list(program.graph.nodes).index(first) - 1],
+                settle=first.prev.target.__name__)
+
+
+def test_the_agreement_is_settled_inside_the_program_before_its_first_collective():
+    for rank, result in enumerate(run_ranks(2, _agreement_overlaps, True)):
+        assert result["error"] <= TOLERANCE
+        assert result["settle"] == "settle_pending" and result["before_settle"].count("call_function") > 5
+        assert len(result["settled_from"]) == 1 and "forward" in result["settled_from"][0], result["settled_from"]
+        kind, message, seconds = result["outcome"]
+        assert kind == "InputError" and "rank(s) [1] were called with other input shapes" in message, rank
+        assert seconds < TIMEOUT
+
+
+def test_a_program_that_does_not_settle_the_agreement_first_breaks_a_refused_call():
+    """The negative control: without the settle node rank 0 runs into its first all_reduce alone."""
+    kind, message, seconds = run_ranks(2, _agreement_overlaps, False)[0]["outcome"]
+    assert seconds >= TIMEOUT - 1, (kind, message, seconds)
 
 
 def _peer_never_calls(rank, world):

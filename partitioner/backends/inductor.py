@@ -20,9 +20,11 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from ..annotations import annotation
 from ..errors import BackendError, our_step
 from ..passes.regions import repeated_block, runs_of_blocks
 from ..progress import bar
+from ..runtime.agreement import settle_pending
 from .base import Backend, register
 
 
@@ -78,9 +80,11 @@ class _Interpreter(torch.fx.Interpreter):
     """Runs the split graph, compiling each block region at its first call (identical regions share one
     compilation); with ``compile_glue`` the regions between blocks are compiled too, else they run eagerly."""
 
-    def __init__(self, split: GraphModule, stats: CompileStats, blocks: set[str], compile_glue: bool):
+    def __init__(self, split: GraphModule, stats: CompileStats, blocks: set[str], compile_glue: bool,
+                 communicating: set[str]):
         super().__init__(split)
         self.stats = stats
+        self.communicating = communicating  # regions with a collective: the call's agreement is settled before them
         self.by_key: dict[str, object] = {}
         self.compiled: dict[str, object] = {}
         self.eager = set() if compile_glue else {n.target for n in split.graph.nodes
@@ -88,6 +92,12 @@ class _Interpreter(torch.fx.Interpreter):
         self.progress = None  # a bar over the regions to compile, shown during the first call
 
     def call_module(self, target, args, kwargs):
+        if target in self.communicating:
+            try:
+                settle_pending()
+            except BaseException:  # the agreement's refusal is the user's message, not a region's failure
+                self.extra_traceback = False
+                raise
         if target in self.eager:
             return super().call_module(target, args, kwargs)
         if target not in self.compiled:
@@ -129,12 +139,15 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     stats.regions = sum(1 for n in split.graph.nodes if n.op == "call_module")
     blocks = {f"submod_{ids[node]}" for node in ids if repeated_block(node) is not None}
-    interpreter = _Interpreter(split, stats, blocks, compile_glue)
+    communicating = {f"submod_{ids[node]}" for node in ids if annotation(node).collective is not None}
+    interpreter = _Interpreter(split, stats, blocks, compile_glue, communicating)
 
     def run_regions(*args):
+        interpreter.extra_traceback = True
         return interpreter.run(*args)
 
     run_regions.stats = stats
+    run_regions.settles_agreement = True  # (the regions ahead of the first collective overlap the agreement)
     return run_regions
 
 

@@ -11,7 +11,9 @@ wrong ones. So:
   or failed to build one, is named on every rank before any program runs;
 - at call time every input check runs before the first collective, then one small all_reduce tells every rank
   which ranks rejected the call and whether all ranks were called alike (``CallGuard.agree``): a rejection on any
-  rank raises on every rank, and the partition stays usable;
+  rank raises on every rank, and the partition stays usable. The all_reduce is issued as soon as the checks are
+  done and waited for just before the program's first collective (``CallGuard.start``, ``settle_pending``): the
+  compute ahead of that collective overlaps it, and no collective of the program runs on a call not agreed on;
 - a failure after that point (inside the program) marks the partition unusable (``CallGuard.running``): the next
   call says to rebuild it rather than run on a message stream that may be out of step;
 - each call's agreement also carries a digest of every input tensor's values (``values_digest``: a fixed strided
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -183,11 +186,21 @@ class CallGuard:
         ``describe()``: the call's shapes in words, exchanged only when the signatures differ), and whether every
         rank's input values are alike (``values``: (name, tensor) fingerprinted as ``self.fingerprint`` says, those
         named in ``exact`` hashed whole; ``marker``: which program the call chose, compared with them)."""
+        pending = self.start(problem, signature, describe, values, exact, marker)
+        if pending is not None:
+            pending.settle()
+
+    def start(self, problem: InputError | None, signature: int, describe=None,
+              values: list[tuple[str, torch.Tensor]] | None = None, exact=frozenset(),
+              marker: str = "") -> "PendingAgreement | None":
+        """``agree``'s all_reduce issued and not waited for: the program's first compute overlaps it, and the
+        program settles it before its first collective (``settle_pending``). Without groups, or where this rank
+        rejected the call, it is settled here (raising); then None is returned."""
         self.check_usable()
         if self.groups is None:
             if problem is not None:
                 raise problem
-            return
+            return None
         values = values or []
         digest = values_digest(values, self.fingerprint, exact) if problem is None else ""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -197,55 +210,40 @@ class CallGuard:
         status[rank, 2] = _number(f"{marker} {digest}") if problem is None else 0
         status[rank, 3] = _number(str(self.identity))
         try:
-            dist.all_reduce(status, group=self.group)
+            work = dist.all_reduce(status, group=self.group, async_op=True)
         except RuntimeError as error:
-            self.broken = f"the input agreement timed out: {first_line(error)}"
-            forget(self.groups)
-            raise CollectiveTimeout(f"ranks did not all call the partition within {self.groups.timeout:g} s "
-                                    f"({first_line(error)}); every rank must make every call") from error
-        status = status.cpu()
-        if len(set(status[:, 3].tolist())) > 1:  # two partitions of one mesh, called crosswise: nothing else matters
-            called = _exchange(self.groups, str(self.identity), "the input agreement")
-            raise InputError("the ranks called different partitions of this mesh at once ("
-                             + "; ".join(f"rank {r}: {who}" for r, who in enumerate(called))
-                             + "); every rank must call the mesh's partitions in the same order")
-        rejected = status[:, 0].nonzero().flatten().tolist()
-        if rejected:
-            reasons = _exchange(self.groups, str(problem) if problem is not None else None, "the input agreement")
-            summary = "; ".join(f"rank {r}: {reasons[r]}" for r in rejected)
-            if problem is not None:
-                raise InputError(f"rank(s) {rejected} rejected this call, so no rank runs it: {summary}") from problem
-            raise InputError(f"rank(s) {rejected} rejected this call, so no rank runs it: {summary}")
-        signatures = status[:, 1].tolist()
-        if len(set(signatures)) > 1:
-            odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
-            calls = _exchange(self.groups, (describe() if describe is not None else "", self.fingerprint),
-                              "the input agreement")
-            modes = {r: mode for r, (_, mode) in enumerate(calls)}
-            if len(set(modes.values())) > 1:
-                raise InputError("ranks compare input values differently (input_fingerprint: "
-                                 + ", ".join(f"rank {r}: {m!r}" for r, m in modes.items())
-                                 + "); set the same input_fingerprint on every rank")
-            differ = "; ".join(f"rank {r}: {calls[r][0]}" for r in [0, *odd] if calls[r][0])
-            raise InputError(f"rank(s) {odd} were called with other input shapes, dtypes or options than rank 0"
-                             + (f" ({differ})" if differ else "")
-                             + "; every rank must make the same call (the same shapes, the same values)")
-        digests = status[:, 2].tolist()
-        if len(set(digests)) > 1:
-            mine = fingerprints(values, self.fingerprint, exact) if problem is None else []
-            every = _exchange(self.groups, (marker, mine), "the input agreement")
-            raise InputError(_values_differ(every))
+            self._timed_out(error)
+        pending = PendingAgreement(self, work, status, problem, describe, values, exact, marker)
+        if problem is not None:  # this rank runs nothing: it learns the other ranks' reasons now and raises
+            pending.settle()
+        return pending
 
+    def _timed_out(self, error: RuntimeError):
+        self.broken = f"the input agreement timed out: {first_line(error)}"
+        forget(self.groups)
+        raise CollectiveTimeout(f"ranks did not all call the partition within {self.groups.timeout:g} s "
+                                f"({first_line(error)}); every rank must make every call") from error
 
     @contextlib.contextmanager
-    def running(self, programs: list[torch.fx.GraphModule]):
-        """Run the program; on any failure mark the partition unusable and name the collective that timed out."""
+    def running(self, programs: list[torch.fx.GraphModule], pending: PendingAgreement | None = None):
+        """Run the program (settling its ``pending`` agreement, at the latest when it returns); on any failure mark
+        the partition unusable and name the collective that timed out."""
         self.check_usable()
         try:
-            yield
+            with pending.armed() if pending is not None else contextlib.nullcontext():
+                yield
+            if pending is not None:  # a program with no collective: its output stands only once the ranks agreed
+                pending.settle()
         except BaseException as error:
             if self.groups is None:  # one process drives every device (or plans only): nothing is out of step
                 raise
+            if pending is not None and error is pending.refusal:  # refused before the first collective: usable
+                raise
+            if pending is not None and not pending.settled:  # failed ahead of the first collective: the ranks'
+                try:  # verdict on the call comes first (its peers settle it too, and may need this rank's reasons)
+                    pending.settle()
+                except InputError as refusal:
+                    raise refusal from error
             if isinstance(error, KeyboardInterrupt):  # stays what it is on the interrupted rank; peers time out
                 self.broken = "a call was interrupted (KeyboardInterrupt) on this rank"
                 forget(self.groups)
@@ -259,6 +257,105 @@ class CallGuard:
                                         f"failed or hangs ({first_line(error)}); partition the model again on every "
                                         "rank") from error
             raise
+
+
+class PendingAgreement:
+    """A call's agreement in flight (``CallGuard.start``): ``settle`` waits for it and raises ``InputError`` on every
+    rank when any rank rejected the call or the ranks' calls differ, as ``CallGuard.agree`` does. Settled once:
+    before the program's first collective (``armed`` + ``settle_pending``, which a lowered program calls) or, for
+    programs that do not, before the program runs."""
+
+    def __init__(self, guard: CallGuard, work, status: torch.Tensor, problem, describe, values, exact, marker: str):
+        self.guard, self.work, self.status = guard, work, status
+        self.problem, self.describe, self.values, self.exact, self.marker = problem, describe, values, exact, marker
+        self.refusal: BaseException | None = None  # what settling raised: no collective of the program ran
+        self.settled = False
+
+    def settle(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            self._settle()
+        except BaseException as error:
+            self.refusal = error
+            raise
+
+    @contextlib.contextmanager
+    def armed(self):
+        """While the program runs on this thread, ``settle_pending`` settles this agreement."""
+        outer, _ARMED.pending = getattr(_ARMED, "pending", None), self
+        try:
+            yield
+        finally:
+            _ARMED.pending = outer
+
+    def _settle(self) -> None:
+        guard, problem = self.guard, self.problem
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            guard._timed_out(error)
+        status = self.status.cpu()
+        if len(set(status[:, 3].tolist())) > 1:  # two partitions of one mesh, called crosswise: nothing else matters
+            called = _exchange(guard.groups, str(guard.identity), "the input agreement")
+            raise InputError("the ranks called different partitions of this mesh at once ("
+                             + "; ".join(f"rank {r}: {who}" for r, who in enumerate(called))
+                             + "); every rank must call the mesh's partitions in the same order")
+        rejected = status[:, 0].nonzero().flatten().tolist()
+        if rejected:
+            reasons = _exchange(guard.groups, str(problem) if problem is not None else None, "the input agreement")
+            summary = "; ".join(f"rank {r}: {reasons[r]}" for r in rejected)
+            if problem is not None:
+                raise InputError(f"rank(s) {rejected} rejected this call, so no rank runs it: {summary}") from problem
+            raise InputError(f"rank(s) {rejected} rejected this call, so no rank runs it: {summary}")
+        signatures = status[:, 1].tolist()
+        if len(set(signatures)) > 1:
+            odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
+            calls = _exchange(guard.groups, (self.describe() if self.describe is not None else "", guard.fingerprint),
+                              "the input agreement")
+            modes = {r: mode for r, (_, mode) in enumerate(calls)}
+            if len(set(modes.values())) > 1:
+                raise InputError("ranks compare input values differently (input_fingerprint: "
+                                 + ", ".join(f"rank {r}: {m!r}" for r, m in modes.items())
+                                 + "); set the same input_fingerprint on every rank")
+            differ = "; ".join(f"rank {r}: {calls[r][0]}" for r in [0, *odd] if calls[r][0])
+            raise InputError(f"rank(s) {odd} were called with other input shapes, dtypes or options than rank 0"
+                             + (f" ({differ})" if differ else "")
+                             + "; every rank must make the same call (the same shapes, the same values)")
+        digests = status[:, 2].tolist()
+        if len(set(digests)) > 1:
+            mine = fingerprints(self.values, guard.fingerprint, self.exact) if problem is None else []
+            every = _exchange(guard.groups, (self.marker, mine), "the input agreement")
+            raise InputError(_values_differ(every))
+
+
+_ARMED = threading.local()  # the agreement the program running on this thread settles before its first collective
+
+
+def settle_pending() -> None:
+    """Settle the armed agreement, if any (a lowered program calls this before its first collective)."""
+    pending = getattr(_ARMED, "pending", None)
+    if pending is not None:
+        pending.settle()
+
+
+def settling_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that calls ``settle_pending`` just before its first node that communicates, so the call's
+    agreement overlaps the compute ahead of it; ``gm`` itself when nothing in it communicates."""
+    first = next((i for i, n in enumerate(gm.graph.nodes) if annotation(n).collective is not None), None)
+    if first is None:
+        return gm
+    from ..frontend.trace import lazy_code
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # (each node's meta copied shallowly: the annotations shared)
+    copy = lazy_code(gm, graph)
+    with copy.graph.inserting_before(list(copy.graph.nodes)[first]):
+        copy.graph.call_function(settle_pending, ())
+    copy.recompile()
+    copy.settles_agreement = True
+    return copy
 
 
 def _values_differ(every: list[tuple[str, list[tuple[str, str]]]]) -> str:
@@ -327,4 +424,5 @@ def describe_collective(node: torch.fx.Node) -> str:
     return f"a collective inside {node.name}"
 
 
-__all__ = ["CallGuard", "PartitionIdentity", "agree_on_plan", "agree_on_staging", "plan_lines"]
+__all__ = ["CallGuard", "PartitionIdentity", "PendingAgreement", "agree_on_plan", "agree_on_staging", "plan_lines",
+           "settle_pending", "settling_first"]

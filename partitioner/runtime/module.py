@@ -136,14 +136,17 @@ class PartitionedModule(torch.nn.Module):
         program) runs before the ranks' one agreement: a call rejected on any rank is rejected on every rank, and
         every rank builds a shape specialisation on the same call."""
         call = self._prepare(args, kwargs)
-        self._partitioned.guard.agree(call.problem, describe=call.describe, **call.agreement)
+        pending = self._partitioned.guard.start(call.problem, describe=call.describe, **call.agreement)
         if call.compiled is None:
+            if pending is not None:
+                pending.settle()
             compiled = self._specialize(call.bucketed)  # every rank builds it, and compares its plan
             # kept under the key such a call has from now on (a new trace may add guards or read more values)
             self._remember(self._prepare(args, kwargs).key, compiled)
             return compiled(*args, **kwargs)
-        self._remember(call.key, call.compiled)
-        return call.compiled.run(call.checked)
+        out = call.compiled.run(call.checked, pending)
+        self._remember(call.key, call.compiled)  # (once the ranks agreed on the call)
+        return out
 
     def call_pair(self, first: tuple[tuple, dict], second: tuple[tuple, dict], member: int | None):
         """Two calls, ``(args, kwargs)`` each, that every rank checks and agrees on together; this rank runs the one

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from ..errors import BackwardUnsupported, InputError, our_step
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
+from .agreement import PendingAgreement
 from .fingerprints import call_signature, same_constant, value_digest
 from .gradients import refusing_backward, wants_gradients
 
@@ -205,13 +206,14 @@ class CompiledPartition:
             agreement = self.agreement(checked)
         except InputError as error:  # (its signature stays 0: the rejection is what the ranks learn)
             problem = error
-        self.guard.agree(problem, describe=lambda: describe_call(bind_forward(self.traced.signature, args, kwargs,
-                                                                              self.owner, InputError)), **agreement)
-        return self.run(checked)
+        pending = self.guard.start(problem, describe=lambda: describe_call(
+            bind_forward(self.traced.signature, args, kwargs, self.owner, InputError)), **agreement)
+        return self.run(checked, pending)
 
-    def run(self, checked: "_Checked"):
-        """Run a call that every rank checked and agreed on: with gradients recorded, the training copy (or, where
-        backward cannot be exact, the inference program with ``backward`` refused by name)."""
+    def run(self, checked: "_Checked", pending: PendingAgreement | None = None):
+        """Run a call that every rank checked and agreed on (or whose agreement is ``pending``: settled before the
+        program's first collective): with gradients recorded, the training copy (or, where backward cannot be
+        exact, the inference program with ``backward`` refused by name)."""
         program, refusal = self.lowered, None
         if wants_gradients(checked.flat, self.partitioned.trainable):
             program, refusal = self.training
@@ -220,7 +222,9 @@ class CompiledPartition:
                                           "on the CPU before the device graph) is not supported; call the model "
                                           "under torch.no_grad()")
             program = self.lowered if program is None else program
-        with self.guard.running([self.partitioned.graph_module, self.lowered]), \
+        if pending is not None and not getattr(program, "settles_agreement", False):
+            pending.settle()  # a program that cannot settle it before its first collective runs after it
+        with self.guard.running([self.partitioned.graph_module, self.lowered], pending), \
                 torch.no_grad() if program is self.lowered else contextlib.nullcontext():
             out = list(program(*self.tensors(), *checked.user, *checked.hosted))
         if refusal is not None:  # never a silent wrong gradient: backward is refused by name
