@@ -19,6 +19,7 @@ blended, so it is approximate; the partitioned decode is exact).
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 
@@ -75,6 +76,68 @@ def on_rank(rank: int, world: int, scale: float, height: int, width: int) -> dic
     return dict(measured=measured, estimate=partitioned.report().activation_peak_bytes, error=error)
 
 
+def family_single(name: str, height: int, width: int) -> int:
+    """One device's traced decode peak of the tiny ``name`` VAE (``partitioner.testing.vaes``)."""
+    from partitioner.frontend.value_specialization import method_as_forward
+    from partitioner.testing import traced_peak_bytes
+    from partitioner.testing.vaes import VAES, latents
+
+    torch.set_num_threads(1)
+    model, z = VAES[name](), latents(name, height, width)
+    first = next(iter(inspect.signature(model.decode).parameters))  # (z, or latents for an audio VAE)
+    with method_as_forward(model, "decode"):
+        return traced_peak_bytes(model, {first: z, "return_dict": False})
+
+
+def family_on_rank(rank: int, world: int, name: str, height: int, width: int) -> dict:
+    """The tiny ``name`` VAE's decode split over a ring of ``world``: this rank's measured peak, the error, or why
+    it did not split."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import partitioner
+    from partitioner.testing import peak_allocated_bytes
+    from partitioner.testing.vaes import VAES, latents
+
+    torch.set_num_threads(1)
+    model, z = VAES[name](), latents(name, height, width)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
+    try:
+        decode = partitioner.partition(model, mesh, ((z,), {"return_dict": False}), method="decode").compile()
+    except partitioner.PartitionError as error:
+        return dict(refused=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+    with torch.no_grad():
+        out = decode(z, return_dict=False)[0]
+        error = (out - model.decode(z).sample).abs().max().item()
+        del out
+        measured = min(peak_allocated_bytes(lambda: decode(z, return_dict=False)) for _ in range(2))
+    return dict(measured=measured, error=error)
+
+
+def families(height: int, width: int, degree: int, audio_steps: int) -> None:
+    """Every VAE family of the test zoo (tiny widths: the ratio of activation peaks is what is compared)."""
+    from partitioner.testing import run_ranks
+    from partitioner.testing.vaes import FRAMES, VAES
+
+    print(f"tiny VAEs of partitioner.testing.vaes, latent {height}x{width} (audio: {audio_steps} steps), "
+          f"ring={degree}")
+    print(f"{'VAE':<18} {'latent':>18} {'one device':>11} {'per-rank peak':>14} {'x one device':>12} "
+          f"{'max error':>10}")
+    for name in VAES:
+        rows = audio_steps if FRAMES[name] == 0 else height
+        whole = family_single(name, rows, width)
+        results = run_ranks(degree, family_on_rank, name, rows, width)
+        latent_shape = "x".join(map(str, (1, 8, rows) if FRAMES[name] == 0 else
+                                    (1, 4, rows, width) if FRAMES[name] is None else
+                                    (1, 4, FRAMES[name], rows, width)))
+        if any("refused" in r for r in results):
+            print(f"{name:<18} {latent_shape:>18} {whole / 2 ** 20:>7.1f} MiB  not split: "
+                  f"{next(r['refused'] for r in results if 'refused' in r)}")
+            continue
+        worst = max(r["measured"] for r in results)
+        print(f"{name:<18} {latent_shape:>18} {whole / 2 ** 20:>7.1f} MiB {worst / 2 ** 20:>10.1f} MiB "
+              f"{worst / whole:>12.2f} {max(r['error'] for r in results):>10.1e}")
+
+
 def main() -> None:
     from partitioner.testing import run_ranks
 
@@ -83,7 +146,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=160)
     parser.add_argument("--degrees", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--width-scale", type=float, default=0.25)
+    parser.add_argument("--audio-steps", type=int, default=4096, help="with --families: the audio VAE's latent")
+    parser.add_argument("--families", action="store_true",
+                        help="instead: every tiny VAE of the test zoo at the first degree (--height/--width: latent)")
     args = parser.parse_args()
+    if args.families:
+        families(args.height, args.width, args.degrees[0], args.audio_steps)
+        return
     whole, tiled_error, tiled_peak = single_device(args.width_scale, args.height, args.width)
     mib = 2 ** 20
     print(f"AutoencoderKL decode, latent {args.height}x{args.width} -> {8 * args.height}x{8 * args.width}, "

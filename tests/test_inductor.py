@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -39,10 +40,19 @@ def _inductor_vs_eager(rank: int, world: int, layout: str) -> dict:
     again = compiled(**inputs, return_dict=False)
     # rank 1 called with other latents: refused on every rank where the regions settle the agreement, before the
     # first region with a collective (after compute), in the user's words; the partition stays usable
+    from partitioner.runtime import agreement
+
     other = dict(inputs, hidden_states=inputs["hidden_states"] + rank)
-    refused = attempt(lambda: compiled(**other, return_dict=False))
+    settled_in, settle = [], agreement.PendingAgreement._settle
+    agreement.PendingAgreement._settle = lambda pending: (
+        settled_in.extend(frame.f_code.co_name for frame, _ in traceback.walk_stack(None)), settle(pending))[1]
+    try:
+        refused = attempt(lambda: compiled(**other, return_dict=False))
+    finally:
+        agreement.PendingAgreement._settle = settle
     after = compiled(**inputs, return_dict=False)
-    return dict(expected=expected, eager=eager, inductor=first, again=again, refused=refused, after=after)
+    return dict(expected=expected, eager=eager, inductor=first, again=again, refused=refused, after=after,
+                settled_in_a_region="call_module" in settled_in)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -58,6 +68,7 @@ def test_inductor_matches_eager_and_single_device(layout):
             assert torch.equal(first, again) and torch.equal(first, after)
         kind, message, _ = result["refused"]
         assert kind == "InputError" and "hidden_states" in message and "While executing" not in message, message
+        assert result["settled_in_a_region"]  # (by the regions' interpreter, after the glue ahead of them)
 
 
 def _compile_counts(rank: int, world: int) -> dict:

@@ -151,14 +151,16 @@ def test_a_failure_inside_the_program_marks_the_partition_unusable_on_every_rank
 
 
 def _agreement_overlaps(rank, world, settles: bool):
-    """TP=2, eager: a good call (where its agreement is settled: inside the program, after compute), then rank 1
-    rejects its call. ``settles=False``: the negative control, a program that skips the settle (the planned graph,
-    with no settle node) yet claims to settle it, so nothing waits for the agreement before the first collective."""
+    """TP=2, eager: a good call (where its agreement is settled: inside the program, after compute); rank 0 rejects
+    a call (an index out of range); the same with rank 1's program failing ahead of its settle point (a one-shot
+    failure inserted there); a good call. ``settles=False``: the negative control, a program that skips the settle
+    (the planned graph, with no settle node) yet claims to settle it, on the rejected call."""
     from partitioner.runtime import agreement
 
     model, inputs = tiny_h3(), h3_inputs(TINY_H3)
     compiled = partition(model, _mesh((world,), ("tp",)), ((), inputs), timeout=TIMEOUT).compile()
     program = compiled.lowered
+    point = next(n for n in program.graph.nodes if n.target is agreement.settle_pending)
     settled_from, settle = [], agreement.PendingAgreement._settle
 
     def spying(pending):
@@ -170,33 +172,49 @@ def _agreement_overlaps(rank, world, settles: bool):
         error = _error(model, compiled, inputs)
     finally:
         agreement.PendingAgreement._settle = settle
+    call = dict(inputs)
+    if rank == 0:
+        call["token_tags"] = call["token_tags"].clone()
+        call["token_tags"][-1] = 7  # out of range: rejected by rank 0's own checks
     if not settles:
         compiled.program.lowered = compiled.partitioned.graph_module
         compiled.partitioned.graph_module.settles_agreement = True
-    call = dict(inputs)
+        return dict(outcome=attempt(lambda: compiled(**call)))
+    refused = attempt(lambda: compiled(**call))
     if rank == 1:
-        call["hidden_states"] = call["hidden_states"][..., :-1]  # (its first Linear fails ahead of the settle)
-    outcome = attempt(lambda: compiled(**call))
-    first = next(n for n in program.graph.nodes if annotation(n).collective is not None)
-    return dict(error=error, settled_from=settled_from, outcome=outcome,
-                before_settle=[n.op for n in program.graph.nodes][:list(program.graph.nodes).index(first) - 1],
-                settle=first.prev.target.__name__)
+        _FAILURES.append(True)
+        with program.graph.inserting_before(point):
+            program.graph.call_function(_fail_once, ())
+        program.recompile()
+    failed_first = attempt(lambda: compiled(**call))
+    return dict(error=error, settled_from=settled_from, refused=refused, failed_first=failed_first,
+                after=_error(model, compiled, inputs), settles_before=annotation(point.next).collective,
+                compute_before_settle=sum(n.op == "call_function" for n in program.graph.nodes if n < point))
+
+
+_FAILURES: list = []  # (a global: the graph's code would inline a list argument as a new literal every call)
+
+
+def _fail_once() -> None:
+    if _FAILURES:
+        _FAILURES.pop()
+        raise RuntimeError("injected failure ahead of the settle point")
 
 
 def test_the_agreement_is_settled_inside_the_program_before_its_first_collective():
     for rank, result in enumerate(run_ranks(2, _agreement_overlaps, True)):
-        assert result["error"] <= TOLERANCE
-        assert result["settle"] == "settle_pending" and result["before_settle"].count("call_function") > 5
+        assert result["error"] <= TOLERANCE and result["after"] <= TOLERANCE, rank  # usable throughout
+        assert result["settles_before"] == ("all_reduce", "tp") and result["compute_before_settle"] > 5
         assert len(result["settled_from"]) == 1 and "forward" in result["settled_from"][0], result["settled_from"]
-        kind, message, seconds = result["outcome"]
-        assert kind == "InputError" and "rank(s) [1] were called with other input shapes" in message, rank
-        assert seconds < TIMEOUT
+        for kind, message, seconds in (result["refused"], result["failed_first"]):
+            assert kind == "InputError" and "rank(s) [0] rejected this call" in message, (rank, kind, message)
+            assert seconds < TIMEOUT
 
 
 def test_a_program_that_does_not_settle_the_agreement_first_breaks_a_refused_call():
-    """The negative control: without the settle node rank 0 runs into its first all_reduce alone."""
-    kind, message, seconds = run_ranks(2, _agreement_overlaps, False)[0]["outcome"]
-    assert seconds >= TIMEOUT - 1, (kind, message, seconds)
+    """The negative control: without the settle node rank 1 runs into its first all_reduce alone."""
+    kind, message, seconds = run_ranks(2, _agreement_overlaps, False)[1]["outcome"]
+    assert kind == "CollectiveTimeout" and seconds >= TIMEOUT - 1, (kind, message, seconds)
 
 
 def _peer_never_calls(rank, world):

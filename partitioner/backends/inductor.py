@@ -20,11 +20,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
-from ..annotations import annotation
 from ..errors import BackendError, our_step
 from ..passes.regions import repeated_block, runs_of_blocks
 from ..progress import bar
-from ..runtime.agreement import settle_pending
+from ..runtime.agreement import settle_pending, settle_point
 from .base import Backend, register
 
 
@@ -81,10 +80,10 @@ class _Interpreter(torch.fx.Interpreter):
     compilation); with ``compile_glue`` the regions between blocks are compiled too, else they run eagerly."""
 
     def __init__(self, split: GraphModule, stats: CompileStats, blocks: set[str], compile_glue: bool,
-                 communicating: set[str]):
+                 settled_from: set[str]):
         super().__init__(split)
         self.stats = stats
-        self.communicating = communicating  # regions with a collective: the call's agreement is settled before them
+        self.settled_from = settled_from  # the regions from the agreement's settle point on: settled before them
         self.by_key: dict[str, object] = {}
         self.compiled: dict[str, object] = {}
         self.eager = set() if compile_glue else {n.target for n in split.graph.nodes
@@ -92,10 +91,10 @@ class _Interpreter(torch.fx.Interpreter):
         self.progress = None  # a bar over the regions to compile, shown during the first call
 
     def call_module(self, target, args, kwargs):
-        if target in self.communicating:
-            try:
+        if target in self.settled_from or (target not in self.compiled and target not in self.eager):
+            try:  # (compiling waits for the agreement too: a refused call compiles nothing)
                 settle_pending()
-            except BaseException:  # the agreement's refusal is the user's message, not a region's failure
+            except Exception:  # the agreement's refusal is the user's message, not a region's failure
                 self.extra_traceback = False
                 raise
         if target in self.eager:
@@ -139,8 +138,9 @@ def lower(gm: GraphModule, *, mesh=None, collectives=None, regional: bool = True
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     stats.regions = sum(1 for n in split.graph.nodes if n.op == "call_module")
     blocks = {f"submod_{ids[node]}" for node in ids if repeated_block(node) is not None}
-    communicating = {f"submod_{ids[node]}" for node in ids if annotation(node).collective is not None}
-    interpreter = _Interpreter(split, stats, blocks, compile_glue, communicating)
+    point = settle_point(gm.graph.nodes)
+    settled_from = {f"submod_{i}" for i in set(ids.values()) if point is not None and i >= ids[point]}
+    interpreter = _Interpreter(split, stats, blocks, compile_glue, settled_from)
 
     def run_regions(*args):
         interpreter.extra_traceback = True

@@ -195,7 +195,7 @@ class CallGuard:
               marker: str = "") -> "PendingAgreement | None":
         """``agree``'s all_reduce issued and not waited for: the program's first compute overlaps it, and the
         program settles it before its first collective (``settle_pending``). Without groups, or where this rank
-        rejected the call, it is settled here (raising); then None is returned."""
+        rejected the call, it is settled here: None is returned without groups, the refusal raised otherwise."""
         self.check_usable()
         if self.groups is None:
             if problem is not None:
@@ -243,7 +243,8 @@ class CallGuard:
                 try:  # verdict on the call comes first (its peers settle it too, and may need this rank's reasons)
                     pending.settle()
                 except InputError as refusal:
-                    raise refusal from error
+                    if isinstance(error, Exception):  # (an interrupt stays one, below)
+                        raise refusal from error
             if isinstance(error, KeyboardInterrupt):  # stays what it is on the interrupted rank; peers time out
                 self.broken = "a call was interrupted (KeyboardInterrupt) on this rank"
                 forget(self.groups)
@@ -277,7 +278,7 @@ class PendingAgreement:
         self.settled = True
         try:
             self._settle()
-        except BaseException as error:
+        except Exception as error:  # (an interrupt while waiting is not the ranks' verdict)
             self.refusal = error
             raise
 
@@ -340,18 +341,38 @@ def settle_pending() -> None:
         pending.settle()
 
 
+def settle_point(nodes) -> torch.fx.Node | None:
+    """Where a program settles its call's agreement: before its first node that communicates, or before the first
+    node of its second repeated block, whichever comes first. The compute that overlaps the agreement is so bounded
+    by the glue and one block: a peer that rejected the call waits that long for this rank to learn it."""
+    from ..passes.regions import repeated_block
+
+    first_block = None
+    for node in nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if annotation(node).collective is not None:
+            return node
+        block = repeated_block(node)
+        if block is not None and first_block is None:
+            first_block = block
+        elif block is not None and block != first_block:
+            return node
+    return None
+
+
 def settling_first(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that calls ``settle_pending`` just before its first node that communicates, so the call's
-    agreement overlaps the compute ahead of it; ``gm`` itself when nothing in it communicates."""
-    first = next((i for i, n in enumerate(gm.graph.nodes) if annotation(n).collective is not None), None)
-    if first is None:
+    """A copy of ``gm`` that calls ``settle_pending`` at its ``settle_point``, so the call's agreement overlaps the
+    compute ahead of it; ``gm`` itself when it has no such point (it settles when it returns)."""
+    point = settle_point(gm.graph.nodes)
+    if point is None:
         return gm
     from ..frontend.trace import lazy_code
 
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # (each node's meta copied shallowly: the annotations shared)
     copy = lazy_code(gm, graph)
-    with copy.graph.inserting_before(list(copy.graph.nodes)[first]):
+    with copy.graph.inserting_before(list(copy.graph.nodes)[list(gm.graph.nodes).index(point)]):
         copy.graph.call_function(settle_pending, ())
     copy.recompile()
     copy.settles_agreement = True
@@ -425,4 +446,4 @@ def describe_collective(node: torch.fx.Node) -> str:
 
 
 __all__ = ["CallGuard", "PartitionIdentity", "PendingAgreement", "agree_on_plan", "agree_on_staging", "plan_lines",
-           "settle_pending", "settling_first"]
+           "settle_pending", "settle_point", "settling_first"]

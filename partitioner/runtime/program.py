@@ -214,14 +214,12 @@ class CompiledPartition:
         """Run a call that every rank checked and agreed on (or whose agreement is ``pending``: settled before the
         program's first collective): with gradients recorded, the training copy (or, where backward cannot be
         exact, the inference program with ``backward`` refused by name)."""
-        program, refusal = self.lowered, None
-        if wants_gradients(checked.flat, self.partitioned.trainable):
-            program, refusal = self.training
-            if program is not None and any(value.is_floating_point() for value in checked.hosted):
-                program, refusal = None, (f"{self.owner}: backward through the host prologue (data-dependent ops run "
-                                          "on the CPU before the device graph) is not supported; call the model "
-                                          "under torch.no_grad()")
-            program = self.lowered if program is None else program
+        try:
+            program, refusal = self._program_for(checked)
+        except BaseException:  # (building the training copy failed): the ranks' verdict first, as in running()
+            if pending is not None:
+                pending.settle()
+            raise
         if pending is not None and not getattr(program, "settles_agreement", False):
             pending.settle()  # a program that cannot settle it before its first collective runs after it
         with self.guard.running([self.partitioned.graph_module, self.lowered], pending), \
@@ -235,6 +233,18 @@ class CompiledPartition:
         if checked.return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
+
+
+    def _program_for(self, checked: "_Checked") -> tuple[Callable, str | None]:
+        """The program a call runs, and why backward through it is refused (None: it is not)."""
+        if not wants_gradients(checked.flat, self.partitioned.trainable):
+            return self.lowered, None
+        program, refusal = self.training
+        if program is not None and any(value.is_floating_point() for value in checked.hosted):
+            program, refusal = None, (f"{self.owner}: backward through the host prologue (data-dependent ops run "
+                                      "on the CPU before the device graph) is not supported; call the model "
+                                      "under torch.no_grad()")
+        return (self.lowered if program is None else program), refusal
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
