@@ -57,14 +57,14 @@ def single_device(scale: float, height: int, width: int) -> tuple[int, float, in
     return peak, (tiled - whole).abs().max().item(), tiled_peak
 
 
-def on_rank(rank: int, world: int, scale: float, height: int, width: int) -> dict:
+def _split_decode(model, z: torch.Tensor, world: int) -> dict:
+    """``model``'s decode of ``z`` split over a ring of ``world`` gloo ranks: this rank's measured peak, the report's
+    estimate and the max error against the whole decode."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import partitioner
     from partitioner.testing import peak_allocated_bytes
 
-    torch.set_num_threads(1)
-    model, z = vae(scale), latent(height, width)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
     partitioned = partitioner.partition(model, mesh, ((z,), {"return_dict": False}), method="decode")
     decode = partitioned.compile()
@@ -74,6 +74,11 @@ def on_rank(rank: int, world: int, scale: float, height: int, width: int) -> dic
         del out
         measured = min(peak_allocated_bytes(lambda: decode(z, return_dict=False)) for _ in range(2))
     return dict(measured=measured, estimate=partitioned.report().activation_peak_bytes, error=error)
+
+
+def on_rank(rank: int, world: int, scale: float, height: int, width: int) -> dict:
+    torch.set_num_threads(1)
+    return _split_decode(vae(scale), latent(height, width), world)
 
 
 def family_single(name: str, height: int, width: int) -> int:
@@ -90,27 +95,15 @@ def family_single(name: str, height: int, width: int) -> int:
 
 
 def family_on_rank(rank: int, world: int, name: str, height: int, width: int) -> dict:
-    """The tiny ``name`` VAE's decode split over a ring of ``world``: this rank's measured peak, the error, or why
-    it did not split."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """The tiny ``name`` VAE's split decode (``_split_decode``), or why it did not split."""
     import partitioner
-    from partitioner.testing import peak_allocated_bytes
     from partitioner.testing.vaes import VAES, latents
 
     torch.set_num_threads(1)
-    model, z = VAES[name](), latents(name, height, width)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))
     try:
-        decode = partitioner.partition(model, mesh, ((z,), {"return_dict": False}), method="decode").compile()
+        return _split_decode(VAES[name](), latents(name, height, width), world)
     except partitioner.PartitionError as error:
         return dict(refused=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
-    with torch.no_grad():
-        out = decode(z, return_dict=False)[0]
-        error = (out - model.decode(z).sample).abs().max().item()
-        del out
-        measured = min(peak_allocated_bytes(lambda: decode(z, return_dict=False)) for _ in range(2))
-    return dict(measured=measured, error=error)
 
 
 def families(height: int, width: int, degree: int, audio_steps: int) -> None:

@@ -239,12 +239,8 @@ class CallGuard:
                 raise
             if pending is not None and error is pending.refusal:  # refused before the first collective: usable
                 raise
-            if pending is not None and not pending.settled:  # failed ahead of the first collective: the ranks'
-                try:  # verdict on the call comes first (its peers settle it too, and may need this rank's reasons)
-                    pending.settle()
-                except InputError as refusal:
-                    if isinstance(error, Exception):  # (an interrupt stays one, below)
-                        raise refusal from error
+            if pending is not None:  # (an interrupt stays one, below)
+                pending.settle_before_raising(error)
             if isinstance(error, KeyboardInterrupt):  # stays what it is on the interrupted rank; peers time out
                 self.broken = "a call was interrupted (KeyboardInterrupt) on this rank"
                 forget(self.groups)
@@ -281,6 +277,18 @@ class PendingAgreement:
         except Exception as error:  # (an interrupt while waiting is not the ranks' verdict)
             self.refusal = error
             raise
+
+    def settle_before_raising(self, error: BaseException) -> None:
+        """This rank failed (``error``) before settling: the ranks' verdict on the call comes first (its peers
+        settle it too, and may need this rank's reasons). Raises the refusal, ``error`` chained, where they refused
+        the call; an interrupt is left to be raised as it is."""
+        if self.settled:
+            return
+        try:
+            self.settle()
+        except InputError as refusal:
+            if isinstance(error, Exception):
+                raise refusal from error
 
     @contextlib.contextmanager
     def armed(self):

@@ -216,9 +216,9 @@ class CompiledPartition:
         exact, the inference program with ``backward`` refused by name)."""
         try:
             program, refusal = self._program_for(checked)
-        except BaseException:  # (building the training copy failed): the ranks' verdict first, as in running()
+        except BaseException as error:  # (building the training copy failed): the ranks' verdict first
             if pending is not None:
-                pending.settle()
+                pending.settle_before_raising(error)
             raise
         if pending is not None and not getattr(program, "settles_agreement", False):
             pending.settle()  # a program that cannot settle it before its first collective runs after it
@@ -233,7 +233,6 @@ class CompiledPartition:
         if checked.return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
-
 
     def _program_for(self, checked: "_Checked") -> tuple[Callable, str | None]:
         """The program a call runs, and why backward through it is refused (None: it is not)."""
