@@ -296,3 +296,30 @@ def test_a_failure_inside_a_pass_names_the_pass_the_node_and_the_model_line(monk
     with pytest.raises(InvariantError, match=r"pass localize failed at linear\w* \(linear\.default, from "
                                              r"\w+\.py:\d+ in \w+.*\): RuntimeError: Attempting to broadcast"):
         partition(tiny_h3(), {"tp": 2}, ((), h3_inputs(TINY_H3)))
+
+
+class _LayerCache:
+    """A key/value cache object, as GlmImage, SanaWM-LTX2's refiner and WanAnimate 2 take."""
+
+    def __init__(self):
+        self.keys = [torch.zeros(1, 2, 4)]
+
+
+class _CachedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, kv_cache=None):
+        keys = x if kv_cache is None else torch.cat([kv_cache.keys[0], x], 1)
+        return self.proj(keys)
+
+
+def test_a_state_object_argument_is_named_with_what_to_do():
+    """Was: export's "Unsupported input type" with no argument named. The uncached call partitions."""
+
+    x = torch.randn(1, 3, 4)
+    with pytest.raises(TraceError, match=r"argument 'kv_cache' is a .*_LayerCache, which torch.export cannot take"
+                                         r".*kv_cache=None"):
+        partition(_CachedModel(), {"tp": 2}, ((), dict(x=x, kv_cache=_LayerCache())))
+    partition(_CachedModel(), {"tp": 2}, ((), dict(x=x)))

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import partitioner
 from partitioner import InputError, PartitionError
+from partitioner.errors import DataDependentNumber
 from partitioner.testing import TINY_H3, H3DenoiseStep, denoise_inputs, run_ranks, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -182,3 +183,25 @@ def test_padding_that_would_change_a_result_is_refused():
     inputs = dict(x=torch.randn(6, 8), mask=torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool))
     with pytest.raises(PartitionError, match=r"padded to a static bound, and sum.* would mix the padding"):
         partitioner.partition(Reduces(), {"tp": 1}, ((), inputs))
+
+
+class CutsProjectedText(nn.Module):
+    """A frame-packing DiT's text path: projected rows cut to the mask's count, then a reshape of a permuted view
+    (a clone whose contiguity export can only answer with a guard on the data-dependent size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, text, mask):
+        rows = self.proj(text)[:, : mask.sum(dim=1, dtype=torch.int)[0]]
+        return rows.permute(0, 2, 1).reshape(rows.shape[0], -1)
+
+
+def test_a_cut_of_a_computed_value_by_a_data_dependent_length_is_refused_by_name():
+    """Not an InvariantError from the trace's clean-up (a guard on the unbacked size), nor a weight blamed for
+    feeding the host: the cut, the value it cuts and where the length comes from, and what to do."""
+    inputs = dict(text=torch.randn(1, 5, 8), mask=torch.tensor([[1, 1, 1, 0, 0]]))
+    with pytest.raises(DataDependentNumber, match=r"cuts .*a value the model computes from its weights \(proj\.\w+\)"
+                                                  r", to a length read from data .*inputs already cut"):
+        partitioner.partition(CutsProjectedText(), {"tp": 2}, ((), inputs))

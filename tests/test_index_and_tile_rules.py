@@ -77,6 +77,14 @@ def test_repeat_passes_a_shard_only_where_it_is_not_tiled():
     assert _decide(node, {a: Shard(1)}).output == Shard(2)
 
 
+def test_flip_keeps_a_shard_of_another_dim_and_refuses_its_own():
+    """SanaWM runs a causal scan backwards by flipping its rows (time): a shard of its features (tp) stays."""
+    node, (x,) = _node(lambda x: x.flip(1), torch.randn(1, 6, 8), target=aten.flip.default)
+    assert _decide(node, {x: Shard(2)}).output == Shard(2)
+    with pytest.raises(Unshardable):  # reversing the split dim moves rows between ranks
+        _decide(node, {x: Shard(1)})
+
+
 def test_fill_keeps_its_target_placement_and_a_whole_value():
     node, (a, v) = _node(lambda a, v: torch.ops.aten.fill.Tensor(a, v), torch.randn(4, 6), torch.tensor(2.0),
                          target=aten.fill.Tensor)

@@ -175,3 +175,58 @@ def test_an_inductor_compilation_that_fails_raw_is_a_backend_error(monkeypatch):
     run = inductor.lower(torch.fx.symbolic_trace(nn.Linear(2, 2)), regional=False)
     with pytest.raises(BackendError, match="lowering to backend 'inductor' failed: RuntimeError: an inductor bug"):
         run(torch.randn(1, 2))
+
+
+def test_an_op_sized_by_values_known_at_trace_keeps_its_size_when_propagated_again():
+    """QwenImage-2.1 repeats its text rows by a tensor of repeats whose values the trace knew (a mask specialised
+    under value guards): export gave the result a static size, and every later fake propagation (localize's, per
+    rank) must take that size rather than fail in fake ``repeat_interleave`` (was: InvariantError in localize)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from partitioner.passes.regions import propagate_fake_values
+
+    graph = torch.fx.Graph()
+    rows, repeats = graph.placeholder("rows"), graph.placeholder("repeats")
+    repeated = graph.call_function(torch.ops.aten.repeat_interleave.self_Tensor, (rows, repeats, 1))
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (repeated,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode()
+    with mode:
+        inputs = [torch.empty(1, 3, 8), torch.empty(3, dtype=torch.int64)]
+        repeated.meta["val"] = torch.empty(1, 5, 8)  # as the trace left it (repeats [2, 1, 2])
+    propagate_fake_values(gm, mode, inputs)
+    assert tuple(repeated.meta["val"].shape) == (1, 5, 8)
+    assert tuple(next(iter(repeated.users)).meta["val"].shape) == (1, 5, 8)
+    propagate_fake_values(gm, mode, inputs, shape_of=lambda node: (1, 5, 4) if node is repeated else None)
+    assert tuple(repeated.meta["val"].shape) == (1, 5, 4)  # (localize: the global size cut by its placements)
+
+
+class EmptyFaceKeys(nn.Module):
+    """WanAnimate without a face: keys and values of zero rows joined to the image's, split into heads by a view
+    (was: annotate_heads' head_dim-based view [1, 0, -1, 4], ambiguous over zero elements: InvariantError)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.face_k, self.face_v, self.o = (nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x, face):
+        def heads(y):
+            return y.view(1, y.shape[1], 2, 4).transpose(1, 2)
+        keys = torch.cat([heads(self.k(x)), heads(self.face_k(face))], 2)
+        values = torch.cat([heads(self.v(x)), heads(self.face_v(face))], 2)
+        return self.o(F.scaled_dot_product_attention(heads(self.q(x)), keys, values).transpose(1, 2).flatten(2))
+
+
+def _empty_face_keys(rank: int, world: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model, inputs = EmptyFaceKeys().eval(), dict(x=torch.randn(1, 5, 8), face=torch.randn(1, 0, 8))
+    partitioned = partitioner.partition(model, mesh, ((), inputs))
+    assert partitioned.ctx.slice_specs  # (heads split: the face projections are column-parallel too)
+    return float((partitioned.compile()(**inputs) - model(**inputs)).abs().max())
+
+
+def test_heads_split_from_an_empty_value_partition_exactly():
+    assert max(run_ranks(2, _empty_face_keys)) < 1e-6

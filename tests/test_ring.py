@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import partitioner
 from partitioner import MeshError, PartitionError
@@ -189,3 +190,63 @@ def test_ring_attention_fake_results_are_memoized_as_computed(monkeypatch):
     again, _ = rank_graph(memo=True, fresh=False)  # every ring attention now from the memo
     assert memoized == computed and again == computed
     assert remembered and all(key[0] is collectives.ring_attention for key in remembered)
+
+
+class WholeValues(torch.nn.Module):
+    """Keys projected from the sequence-sharded rows, values from a running sum along the sequence (it needs every
+    row, so they are computed whole): Ernie-Image's layout, keys S(2) and values R at the ring attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        def heads(y):
+            return y.unflatten(-1, (2, -1)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x.cumsum(1))))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+def _whole_values(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    return _run((world,), ("ring",), WholeValues().eval(), dict(x=torch.randn(1, 9, 16)))
+
+
+def test_keys_sharded_and_values_whole_meet_in_the_ring_with_the_values_cut_alike():
+    """Was: the attention left whole ("keys and values laid out alike (S(2) and R)"); the whole values are cut to
+    this rank's rows (no communication) and travel the ring with the keys. Exact on every rank."""
+    for rank, case in enumerate(run_ranks(2, _whole_values)):
+        assert case["rings"] == 1, case["explain"]
+        torch.testing.assert_close(case["actual"], case["expected"], **TOLERANCE, msg=f"rank {rank}")
+
+
+class GroupedQuery(torch.nn.Module):
+    """Grouped-query attention (4 query heads over 2 key/value heads, ``enable_gqa``), as AceStep and Cosmos 3
+    write it; the key/value blocks travel the ring with their 2 heads and are widened per block."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.q(x).unflatten(-1, (4, -1)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        return self.o(F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).flatten(2))
+
+
+def _grouped_query(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    cases = {}
+    for drop in (False, True):
+        cases[drop] = _run((world,), ("ring",), GroupedQuery().eval(), dict(x=torch.randn(1, 9, 16)),
+                           drop_passing=drop)
+    return cases
+
+
+def test_grouped_query_attention_runs_as_ring_attention():
+    """Was: left whole ("ring attention with fewer key/value heads than query heads"). Exact on every rank; the
+    negative control (each rank attends only the key block it holds) is not."""
+    for rank, cases in enumerate(run_ranks(2, _grouped_query)):
+        assert cases[False]["rings"] == 1 and cases[False]["passes"] == 1, cases[False]["explain"]
+        torch.testing.assert_close(cases[False]["actual"], cases[False]["expected"], **TOLERANCE, msg=f"rank {rank}")
+        assert (cases[True]["actual"] - cases[True]["expected"]).abs().max() > 1e-3

@@ -121,3 +121,47 @@ def test_flux_every_rank_matches_single_device(tp2):
         assert case["styles"]["single_transformer_blocks.0.proj_out"] == "rowwise"
         assert case["styles"]["transformer_blocks.0.attn.add_q_proj"] == "colwise"
         torch.testing.assert_close(case["actual"], case["expected"], **TOLERANCE)
+
+
+class FusedQKV(torch.nn.Module):
+    """One projection for q, k and v, viewed ``[b, n, 3, heads, head_dim]`` and taken apart by ``unbind(2)`` (SanaWM)
+    or permuted to ``[3, b, heads, n, head_dim]`` and indexed (PRX, timm's ViT attention)."""
+
+    def __init__(self, permuted: bool, dim: int = 48, heads: int = 6):
+        super().__init__()
+        self.heads, self.permuted = heads, permuted
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        qkv = self.qkv(x).view(b, n, 3, self.heads, d // self.heads)
+        if self.permuted:
+            qkv = qkv.permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        else:
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+def _fused_qkv(rank: int, world: int) -> dict:
+    import partitioner
+
+    results = {}
+    for permuted in (False, True):
+        torch.manual_seed(0)
+        model, x = FusedQKV(permuted).eval(), torch.randn(1, 7, 48)
+        partitioned = partitioner.partition(model, _mesh(world), ((), dict(x=x)))
+        results[permuted] = (partitioned.compile()(x=x), model(x=x), partitioned.linear_styles)
+    return results
+
+
+def test_a_fused_qkv_viewed_into_three_is_packed_by_its_thirds_and_exact():
+    """Was: the projection left whole ("unbind along the sharded dim 2" / "select.int along the sharded dim 0"):
+    a plain column split gives rank 0 all of q and half of k. Packed as q, k, v, each rank holds its heads of all
+    three (3 of the 6 heads), exact on every rank."""
+    for rank, results in enumerate(run_ranks(2, _fused_qkv)):
+        for permuted, (actual, expected, styles) in results.items():
+            assert str(styles["qkv"]).startswith("colwise") and "packed" in str(styles["qkv"]), styles["qkv"]
+            assert str(styles["o"]).startswith("rowwise"), styles["o"]
+            torch.testing.assert_close(actual, expected, **TOLERANCE, msg=f"rank {rank} permuted={permuted}")

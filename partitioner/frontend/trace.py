@@ -6,6 +6,7 @@ pytree specs of the forward's inputs and outputs, and the model's tensors by qua
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import operator
 from dataclasses import dataclass, field
@@ -14,6 +15,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
+from torch._library.opaque_object import is_opaque_value
+from torch._prims_common import is_contiguous_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._sympy.numbers import int_oo
 
 from ..errors import TraceError, our_step
@@ -193,8 +197,10 @@ def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
     if node.target is torch.ops.aten.clone.default and functional and all(u.op != "output" for u in node.users):
         layout = node.kwargs.get("memory_format", torch.preserve_format)
         value, copied = source.meta["val"], node.meta.get("val")
-        return (layout in (torch.preserve_format, torch.contiguous_format) and value.is_contiguous()
-                and isinstance(copied, torch.Tensor) and copied.stride() == value.stride())
+        # Known without a guard: a size read from data (an unbacked symbol) leaves the clone in place.
+        return (layout in (torch.preserve_format, torch.contiguous_format) and is_contiguous_or_false(value)
+                and isinstance(copied, torch.Tensor) and len(copied.stride()) == len(value.stride())
+                and all(statically_known_true(a == b) for a, b in zip(copied.stride(), value.stride())))
     return False
 
 
@@ -433,6 +439,28 @@ def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         _erase_unread(gm, source)
 
 
+# What export takes as an input leaf (torch._export.non_strict_utils.fakify), and a little more: a leaf it does
+# not take is refused by its own error.
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
+                 torch.memory_format, torch.layout, torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module,
+                 torch.ScriptObject, enum.Enum)
+
+
+def _refuse_state_objects(leaves, owner: str) -> None:
+    """An argument export cannot take (a key/value cache object, anything not a tensor, number, string or pytree
+    container of them) is named, with what to do, before export fails on it without saying which."""
+    for path, leaf in leaves:
+        if isinstance(leaf, _PLAIN_LEAVES) or is_opaque_value(leaf):
+            continue
+        name = argument_name(path[1:])
+        raise TraceError(
+            f"{owner}: argument {name!r} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which "
+            "torch.export cannot take as an input (tensors, numbers, strings and lists, tuples, dicts or registered "
+            f"dataclasses of them only). A cache or other state object: call without it ({name}=None, or "
+            "use_cache=False where the forward offers it) to partition the uncached forward; or register its type "
+            "with torch.utils._pytree.register_pytree_node so that its tensors become inputs")
+
+
 def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor],
             real_buffers: dict[str, torch.Tensor]):
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name);
@@ -475,6 +503,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     if "return_dict" in named:
         named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
     leaves = pytree.tree_flatten_with_path(((), named))[0]
+    _refuse_state_objects(leaves, owner)
     names = [argument_name(path[1:]) for path, _ in leaves]
     values = {name: leaf for name, (_, leaf) in zip(names, leaves) if shadowable(leaf)}  # before meta below
     named = inputs_on_meta(model, named)

@@ -4,9 +4,10 @@ Requires: an exported aten graph with ``meta["val"]`` on every tensor node (glob
 Guarantees:
 - every ``aten.scaled_dot_product_attention`` node, the reshapes that split its q/k/v into heads and merge its
   output back, and the linears that project q/k/v and the output, carry ``annotation.heads`` (a ``HeadInfo``);
-- every head-splitting reshape names ``head_dim`` and leaves the head count to be inferred (``-1``), so a rank that
-  holds ``heads / tp`` heads reshapes into the right head_dim. (diffusers reshapes by the configured head count,
-  ``unflatten(-1, (attn.heads, -1))``, which on a column shard silently yields ``head_dim / tp`` channels.)
+- every head-splitting reshape of a non-empty value names ``head_dim`` and leaves the head count to be inferred
+  (``-1``), so a rank that holds ``heads / tp`` heads reshapes into the right head_dim. (diffusers reshapes by the
+  configured head count, ``unflatten(-1, (attn.heads, -1))``, which on a column shard silently yields
+  ``head_dim / tp`` channels.)
 The graph computes the same function as before: on full-size tensors both reshapes are identical.
 """
 
@@ -116,7 +117,11 @@ def _find_head_merge(attention: Node, heads: int, head_dim: int) -> tuple[Node |
 
 
 def _head_dim_based(node: Node, heads: int, head_dim: int) -> None:
-    """Rewrite a head split to infer the head count from head_dim."""
+    """Rewrite a head split to infer the head count from head_dim; a split of an empty value (zero rows, as
+    WanAnimate's face keys without a face) keeps its sizes: a -1 over zero elements is ambiguous, and localize
+    names a sharded one's local sizes anyway."""
+    if 0 in shape_of(node):
+        return
     if node.target is aten.unflatten.int:
         node.args = (node.args[0], node.args[1], [-1, head_dim])
         return
@@ -154,10 +159,10 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 def check(gm: GraphModule, ctx: PassContext) -> None:
-    """Postcondition: head splits infer the head count."""
+    """Postcondition: head splits of non-empty values infer the head count."""
     for node in gm.graph.nodes:
         info = annotation(node).heads
         if info is not None and info.role in (HeadRole.Q, HeadRole.K, HeadRole.V) and node.target in _RESHAPES:
             sizes = node.args[2] if node.target is aten.unflatten.int else node.args[1]
-            if list(sizes)[-2:] != [-1, info.head_dim]:
+            if list(sizes)[-2:] != [-1, info.head_dim] and 0 not in shape_of(node):
                 raise InvariantError(f"{node.name}: head split {sizes} is not head_dim-based")

@@ -11,7 +11,7 @@ Guarantees:
   statistics combined across the ranks); interpolating upsampling over split rows is
   ``collectives.halo_interpolation``;
 - an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
-  reads its mask in that order too.
+  reads its mask in that order too, and its values (or keys) that did not come through one in that order.
 
 New nodes carry ``annotation.collective = (kind, axis)``.
 """
@@ -42,6 +42,7 @@ R = Replicate()
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    _values_in_rank_order(gm, ctx)
     _masks_in_rank_order(gm, ctx)
     _ring_attentions(gm, ctx)
     _halo_convolutions(gm, ctx)
@@ -88,6 +89,24 @@ def _like(node: Node, mask: Node, val) -> None:
     annotation(node).placements = dict(annotation(mask).placements)
     annotation(node).required = {axis: {n: annotation(n).placements[axis] for n in node.all_input_nodes}
                                  for axis in annotation(mask).placements}
+
+
+def _values_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
+    """An attention whose keys came through a packed exchange (rows rank by rank) and whose values did not (whole,
+    or plainly sharded: rows in sequence order), or the other way round, reads both in the packed order: key row i
+    must meet value row i (Helios' values are computed whole, its keys packed)."""
+    for node in list(gm.graph.nodes):
+        if node.target is not _ATTENTION:
+            continue
+        k, v = node.args[1:3]
+        orders = annotation(k).rank_order, annotation(v).rank_order
+        if k is v or (orders[0] is None) == (orders[1] is None):
+            continue
+        value, (axis, blocks) = (v, orders[0]) if orders[0] is not None else (k, orders[1])
+        reordered = _rank_order(gm.graph, value, 2, blocks, ctx.mesh.size(axis), node)
+        annotation(reordered).rank_order = (axis, blocks)
+        node.replace_input_with(value, reordered)
+        rekey(node, value, reordered)
 
 
 def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:

@@ -86,6 +86,34 @@ def _sources(gm: GraphModule) -> list[Node]:
     return found
 
 
+def _refuse_device_cuts(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> None:
+    """A source sized by a number another source read (``y[:, :n]`` with ``n = mask.sum().item()``) cuts a tensor;
+    when that tensor is computed from the model's weights the cut cannot run on the host, and padding it to a
+    bound would let what follows (attention over its rows, sums) read rows past ``n``: refused by name."""
+    model_inputs = {node: graph_input.target for node, graph_input in ctx.placeholder_inputs(gm).items()
+                    if graph_input.kind != "user"}
+    for cut in sources:
+        sizes = [a for a in cut.args if isinstance(a, Node) and not isinstance(a.meta.get("val"), torch.Tensor)
+                 and _unbacked(a.meta.get("val"))]
+        operand = next((a for a in cut.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)), None)
+        if not sizes or operand is None:
+            continue
+        reached, stack = set(), [operand]
+        while stack:
+            node = stack.pop()
+            if node not in reached:
+                reached.add(node)
+                stack.extend(node.all_input_nodes)
+        weights = [n for n in gm.graph.nodes if n in reached and n in model_inputs]
+        if weights:
+            raise DataDependentNumber(
+                f"{cut.name} ({cut.target}; {source_line(cut)}) cuts {operand.name}, a value the model computes "
+                f"from its weights ({model_inputs[weights[0]]}), to a length read from "
+                f"data ({sizes[0].name}: {source_line(sizes[0])}); the host prologue cannot compute it, and padding "
+                "it to a bound would let what follows read the rows past that length. Call the model with inputs "
+                "already cut to that length (e.g. the text rows its mask keeps), so the size is static")
+
+
 def _host_nodes(gm: GraphModule, sources: list[Node]) -> set[Node]:
     """The sources, what only they (transitively) consume, the unpacking of their results, the arithmetic and
     checks on their sizes, and tensors sized by them."""
@@ -246,6 +274,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     sources = _sources(gm)
     if not sources:
         return gm
+    _refuse_device_cuts(gm, ctx, sources)
     host = _host_nodes(gm, sources)
     source_of = {}  # symbol -> the op that created it, for bounds and messages
     for source in sources:

@@ -221,8 +221,7 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     around_attention = (consumer.target is _ATTENTION and producer in consumer.args[:3]) or \
         producer.target is _ATTENTION
     if packed and (not around_attention or current.dim == required.dim):
-        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard is only exact for an attention's "
-                             "query, key and value and its output")
+        return _gathered_then_narrowed(producer, current, required, axis, ctx)
     dims = (required.dim, current.dim, axis_sizes(producer, required, axis, ctx),
             axis_sizes(producer, current, axis, ctx), ctx.mesh.coordinate(axis))
     order = device_layout.memory_order(device_layout.strides_on_device(producer, ctx.mesh.device_type))
@@ -238,6 +237,20 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     if isinstance(current, PackedShard):  # rows now in rank order: a mask of the attention must follow them
         annotation(exchange).rank_order = (axis, current.blocks)
     return exchange
+
+
+def _gathered_then_narrowed(producer: Node, current, required, axis: str, ctx: PassContext) -> Node:
+    """A packed shard re-split anywhere but around an attention (StableAudio-3's joint rows into a feed-forward
+    laid out otherwise): an all_to_all would leave its rows in rank order, so the value is gathered in sequence
+    order and this rank's part of ``required`` sliced from it. Exact; it moves the whole value rather than a
+    rank's share. Refused where another axis splits either dim (the gather assumes this axis alone does)."""
+    others = [other for other, p in annotation(producer).placements.items()
+              if other != axis and is_sharded(p) and p.dim in (current.dim, required.dim)]
+    if others:
+        raise PartitionError(f"{producer.name}: an all_to_all of a packed shard over {axis!r} is only exact for an "
+                             f"attention's query, key and value and its output, and {others[0]!r} splits the same "
+                             "dim, so it cannot be gathered whole instead")
+    return _narrow(_all_gather(producer, current, axis, ctx), required, axis, ctx)
 
 
 def _gather_in_packed_order(attention: Node, current, blocks: tuple[int, ...], axis: str, ctx: PassContext) -> Node:

@@ -362,6 +362,9 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
             roles.colwise -= set(failed)
             new_packing = {n: b for n, b in sweep.packing.items() if roles.packed.get(n) != b}
             roles.packed.update(new_packing)
+            for seed in new_packing:  # (a unit asked of the unpacked layout, a fused qkv's whole third, is moot)
+                if paths[seed] not in ctx.unit_overrides:
+                    roles.units.pop(seed, None)
             roles.units.update(sweep.units)
             new_gathered = sweep.failed_forced - gathered
             gathered |= new_gathered

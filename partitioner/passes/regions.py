@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.experimental.proxy_tensor import snapshot_fake
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 _BLOCK = re.compile(r"\.\d+$")
@@ -38,13 +40,19 @@ def runs_of_blocks(nodes) -> list[list[Node]]:
     return runs
 
 
-def propagate_fake_values(gm: GraphModule, mode: FakeTensorMode, inputs) -> None:
+def propagate_fake_values(gm: GraphModule, mode: FakeTensorMode, inputs,
+                          shape_of: Callable[[Node], tuple[int, ...]] | None = None) -> None:
     """``FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)``, each distinct repeated block propagated
     once: a block whose code (names abstracted away) and whose inputs' shapes, strides and dtypes equal a block's
     already propagated takes that block's values node for node. That is exact (fake-tensor ops are functions of
     their inputs' metadata) and turns 50 blocks of H3 into one. A block with data-dependent sizes or an op that
-    writes its inputs is always propagated."""
-    _RepeatedBlockProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    writes its inputs is always propagated.
+
+    An op whose output size depends on its inputs' values (``repeat_interleave`` by a tensor of repeats) had a
+    static size at the trace only because those values were known then (constants, or inputs specialised under
+    value guards): it keeps that size, or ``shape_of(node)`` where the caller knows better (localize: the global
+    size cut by the node's placements)."""
+    _RepeatedBlockProp(gm, mode, shape_of).propagate_dont_convert_inputs(*inputs)
 
 
 # Python-level ops whose fake result is a fresh tensor that depends only on their arguments (tensors by metadata):
@@ -62,8 +70,9 @@ def _memoized_targets() -> tuple:
 
 
 class _RepeatedBlockProp(FakeTensorProp):
-    def __init__(self, gm: GraphModule, mode: FakeTensorMode):
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode, shape_of=None):
         super().__init__(gm, mode)
+        self.shape_of = shape_of
         self.runs = {run[0]: run for run in runs_of_blocks(gm.graph.nodes) if repeated_block(run[0]) is not None}
         self.templates: dict[tuple, list[Node]] = {}  # (code, inputs' metadata) -> the block first propagated
         self.copy_from: dict[Node, Node] = {}
@@ -75,9 +84,22 @@ class _RepeatedBlockProp(FakeTensorProp):
         if template is None:
             if n.op == "call_function" and n.target in _memoized_targets():
                 return self._memoized(n)
-            return super().run_node(n)
+            traced = n.meta.get("val")
+            try:
+                return super().run_node(n)
+            except DynamicOutputShapeException as error:
+                return self._sized_by_values(n, traced, error)
         n.meta["val"] = template.meta["val"]
         return template.meta["val"]
+
+    def _sized_by_values(self, n: Node, traced, error: Exception):
+        shape = self.shape_of(n) if self.shape_of is not None else getattr(traced, "shape", None)
+        if not isinstance(traced, torch.Tensor) or shape is None or not all(map(is_concrete_int, shape)):
+            raise error
+        with self._mode:
+            result = torch.empty([int(size) for size in shape], dtype=traced.dtype, device=traced.device)
+        n.meta["val"] = snapshot_fake(result)
+        return result
 
     def _memoized(self, n: Node):
         """A memoized op's fake result: recreated from the metadata of an earlier call with the same arguments'

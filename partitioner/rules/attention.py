@@ -76,18 +76,25 @@ def ring_attention(node: Node, placements, axis_size: int) -> Decision:
     _, dropout, causal = attention_options(node)
     if causal or dropout:
         raise Unshardable("ring attention that is causal or has dropout is not supported yet")
-    if placements.get(k) != placements.get(v):
-        raise Unshardable(f"ring attention needs keys and values laid out alike ({placements.get(k)} and "
-                          f"{placements.get(v)})")
-    if shape_of(k)[1] != shape_of(q)[1]:
-        raise Unshardable("ring attention with fewer key/value heads than query heads (GQA)")
+    rows = _keys_and_values_alike(placements.get(k, R), placements.get(v, R))
+    _gqa_group(node, shape_of(q)[1], shape_of(k)[1])  # (grouped-query: the kernel widens each block's heads)
     if shape_of(k)[2] < axis_size:
         raise Unshardable(f"{shape_of(k)[2]} key rows cannot be spread over a ring of {axis_size}")
     # a mask is cut to this rank's query rows (as the queries are laid out); its key columns stay whole, each
     # step of the ring picking the columns of the block it holds (collectives.ring_attention)
-    inputs = {q: placements[q], k: placements[k], v: placements[v]}
+    inputs = {q: placements[q], k: rows, v: rows}
     inputs.update({mask: _rows_like(mask, placements[q]) for mask in masks})
     return Decision(placements[q], inputs)
+
+
+def _keys_and_values_alike(keys, values):
+    """The one row layout keys and values travel the ring in: theirs when alike; a whole one is cut as the other
+    is (a free local slice of this rank's rows: Ernie-Image's values are computed whole, its keys sharded)."""
+    if keys == values or values == R:
+        return keys
+    if keys == R:
+        return values
+    raise Unshardable(f"ring attention needs keys and values laid out alike ({keys} and {values})")
 
 
 def attention_options(node: Node) -> tuple:
@@ -118,9 +125,11 @@ def make_sequence_attention(roles, axis: str) -> Callable:
         _, _, causal = attention_options(node)
         if causal and (packed or (q in sharded) != (k in sharded) or shape_of(q)[2] != shape_of(k)[2]):
             raise Unshardable("causal attention over rows that are not in sequence order on this rank")
-        # rows of a packed sequence arrive in rank order (permuted), whole or plainly sharded ones in order
-        if placements.get(k) != placements.get(v) and any(isinstance(placements.get(n), PackedShard) for n in (k, v)):
-            raise Unshardable("keys and values reach the exchange laid out differently (q, k, v: "
+        # rows of a packed sequence arrive in rank order (permuted), whole or plainly sharded ones in order: one of
+        # keys and values packed, the other's rows are put in the same order (collective_kernels); both packed,
+        # they must be packed alike
+        if placements.get(k) != placements.get(v) and all(isinstance(placements.get(n), PackedShard) for n in (k, v)):
+            raise Unshardable("keys and values reach the exchange packed differently (q, k, v: "
                               f"{[str(placements.get(n, R)) for n in (q, k, v)]}); a packed sequence is exchanged "
                               "in rank order, so keys and values must be packed alike")
         if q in sharded and k not in sharded and v not in sharded:

@@ -12,7 +12,7 @@ from torch.fx import Node
 from ..placement import InnerShard, PackedShard, Shard, block_offsets, is_sharded, packed_shard, unit_of
 from .core import (Decision, NeedsPacking, NeedsUnit, R, Unshardable, norm_dim, register, replicate_all, same_as_input,
                    shape_of, sharded_inputs, with_dim)
-from .views import blocks_placement, splits_in_units
+from .views import ask_for_packing, blocks_placement, splits_in_units
 
 aten = torch.ops.aten
 
@@ -61,7 +61,9 @@ def split(node: Node, placements, axis_size: int) -> Decision:
         out_dim = placement.dim - (node.target is aten.unbind.int and dim < placement.dim)
         return Decision(tuple(with_dim(placement, out_dim) for _ in pieces), {source: placement})
     if node.target is aten.unbind.int:
-        raise Unshardable(f"unbind along the sharded dim {dim}")
+        if isinstance(placement, PackedShard):
+            raise Unshardable(f"unbind along the sharded dim {dim}")
+        ask_for_packing(source, dim, "unbind")  # (q, k, v = qkv.unbind(2) of a fused projection viewed into 3)
     blocks = tuple(int(p.shape[dim]) for p in pieces)
     offsets = block_offsets(placement.blocks) if isinstance(placement, PackedShard) else []
     cuts = block_offsets(blocks)

@@ -115,7 +115,8 @@ def regroup(placement, source: Node, in_shape, out_shape, group_in, lead_out: in
     producer must shard in coarser units (``NeedsUnit``: whole heads before a head split). Without ``units`` (the
     sequence axes, whose exchanges assume plain shards) only even splits regroup."""
     if isinstance(placement, PackedShard) and len(placement.blocks) > 1:
-        raise Unshardable("a packed value cannot be reshaped along its packed dim")
+        return _one_block_per_lead_index(placement, source, in_shape, out_shape, group_in, lead_out, group_out,
+                                         axis_size, units)
     dim, size = placement.dim, in_shape[placement.dim]
     unit = unit_of(placement)
     even = size // unit % axis_size == 0
@@ -135,6 +136,52 @@ def regroup(placement, source: Node, in_shape, out_shape, group_in, lead_out: in
                           f"dim {lead_out} in {out_shape[lead_out] // (stride // inner_out)} pieces, fewer than "
                           f"the {axis_size} ranks")
     return packed_shard(lead_out, (out_shape[lead_out],), stride // inner_out, axis_size)
+
+
+def _one_block_per_lead_index(placement: PackedShard, source: Node, in_shape, out_shape, group_in, lead_out: int,
+                              group_out, axis_size: int, units: bool):
+    """A packed value whose blocks are the indices of the view's leading output dim (a fused qkv projection packed
+    as q, k, v, viewed ``[..., 3 * H * D] -> [..., 3, H, D]``): every block is split alike, so the shard lands on
+    the dims after that one, as one block's would (its heads). Only over a tensor axis (``units``)."""
+    blocks, lead = placement.blocks, out_shape[lead_out]
+    rest = [d for d in group_out if d > lead_out and out_shape[d] != 1]
+    if not units or len(set(blocks)) != 1 or len(blocks) != lead or not rest:
+        raise Unshardable("a packed value cannot be reshaped along its packed dim")
+    block_shape, one_index = list(in_shape), list(out_shape)
+    block_shape[placement.dim], one_index[lead_out] = blocks[0], 1
+    block = packed_shard(placement.dim, (blocks[0],), unit_of(placement), axis_size)
+    return regroup(block, source, block_shape, one_index, group_in, rest[0], group_out, axis_size, units)
+
+
+def packing_for_lead_dim(source: Node, dim: int) -> tuple[Node, tuple[int, ...]] | None:
+    """Where ``dim`` of ``source`` leads the dims a view split one dim into (``[..., 3 * H * D]`` viewed
+    ``[..., 3, H, D]``, perhaps permuted since: a fused qkv projection), that view's input and the equal blocks,
+    one per index of ``dim``, it must be packed in for each index to be whole on every rank; else None."""
+    node = source
+    while node.target in (aten.permute.default, aten.transpose.int):
+        if node.target is aten.permute.default:
+            dim = norm_dim(node.args[1][dim], len(shape_of(node)))
+        else:
+            a, b = (norm_dim(d, len(shape_of(node))) for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        node = node.args[0]
+    if node.target not in _VIEWS or not isinstance(node.args[0], Node):
+        return None
+    in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
+    for group_in, group_out in view_groups(in_shape, out_shape):
+        split = [d for d in group_in if in_shape[d] != 1]
+        after = [d for d in group_out if out_shape[d] != 1]
+        if dim in after and len(split) == 1 and after[0] == dim and len(after) > 1:
+            return node.args[0], (in_shape[split[0]] // out_shape[dim],) * out_shape[dim]
+    return None
+
+
+def ask_for_packing(source: Node, dim: int, op: str) -> None:
+    """Raise ``NeedsPacking`` for the view input found by ``packing_for_lead_dim``, else ``Unshardable``."""
+    found = packing_for_lead_dim(source, dim)
+    if found is not None:
+        raise NeedsPacking(*found)
+    raise Unshardable(f"{op} along the sharded dim {dim}")
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
@@ -260,6 +307,17 @@ def repeat(node: Node, dim: int) -> int:
     return dim + new
 
 
+@register(aten.flip.default)
+def flip(node: Node, placements, axis_size: int) -> Decision:
+    """Reverses the order along ``dims``: a shard along any other dim stays where it is (reversing the sharded
+    dim would move rows between ranks)."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    if is_sharded(placement) and placement.dim in {norm_dim(d, len(shape_of(source))) for d in node.args[1]}:
+        raise Unshardable(f"flip along the sharded dim {placement.dim}")
+    return same_as_input(node, placements, source)
+
+
 @register(aten.slice.Tensor, aten.select.int, aten.narrow.default)
 def slice_like(node: Node, placements, axis_size: int) -> Decision:
     """slice / select / index_select / narrow along a dim other than the sharded one."""
@@ -277,6 +335,8 @@ def slice_like(node: Node, placements, axis_size: int) -> Decision:
         refined = _refined_blocks(node, placement) if node.target is aten.slice.Tensor else None
         if refined and splits_in_units(refined, unit_of(placement), axis_size):
             raise NeedsPacking(source, refined)  # a fused projection cut by slices: pack it at the cuts
+        if node.target is aten.select.int and not isinstance(placement, PackedShard):
+            ask_for_packing(source, dim, "select")  # (q = qkv[0] of a fused projection viewed into 3)
         raise Unshardable(f"{node.target.__name__} along the sharded dim {dim}")
     out_dim = placement.dim - (node.target is aten.select.int and dim < placement.dim)
     return Decision(with_dim(placement, out_dim), same_as_input(node, placements, source).inputs)

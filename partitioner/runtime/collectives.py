@@ -270,7 +270,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     kernel's is not) and the blocks' gradients return round the ring: exact, without the overlap.
     ``mask``: this rank's query rows over every key column, in the sequence's order; ``mask_columns[i]``: the
     columns rank i's key rows are (its part of each block of a packed sequence), picked at the step its block is
-    here. A query row masked out over every key gives 0, as scaled_dot_product_attention does."""
+    here. A query row masked out over every key gives 0, as scaled_dot_product_attention does. Keys and values
+    with fewer heads than the queries (grouped-query attention) travel as they are."""
     ranks = len(rows)
     shape_k, shape_v = list(k.shape), list(v.shape)
     mask = _additive(mask, torch.promote_types(_wide(q).dtype, torch.float32))
@@ -285,7 +286,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             incoming = (math.prod(shape_k), math.prod(shape_v))
             receive = _pass_on(k, v, incoming, ranks, index, group_name, recording)
         block_mask = None if mask is None else torch.cat([mask[..., a:b] for a, b in mask_columns[holder]], -1)
-        block_out, block_lse = _attention_block(q, k, v, scale, fused=False if recording else None, mask=block_mask)
+        block_out, block_lse = _attention_block(q, _query_heads(k, q), _query_heads(v, q), scale,
+                                                fused=False if recording else None, mask=block_mask)
         if out is None:
             out, lse = block_out, block_lse
         else:
@@ -299,6 +301,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             k, v = k_part.view(shape_k), v_part.view(shape_v)
             holder = source
     return out.to(q.dtype)
+
+
+def _query_heads(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention's keys or values, one head per query head (query head h reads key/value head
+    h // group, as ``enable_gqa`` does): the ring passes the fewer heads, each block is widened here."""
+    group = q.shape[1] // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
 def _borrow_rows(x: torch.Tensor, dim: int, before: int, after: int, index: int, ranks: int,
