@@ -148,20 +148,20 @@ def _fused_qkv(rank: int, world: int) -> dict:
     import partitioner
 
     results = {}
-    for permuted in (False, True):
+    for permuted, heads in ((False, 6), (True, 6), (True, 3)):  # (3 heads over 2: in whole heads, 2 + 1)
         torch.manual_seed(0)
-        model, x = FusedQKV(permuted).eval(), torch.randn(1, 7, 48)
+        model, x = FusedQKV(permuted, heads=heads).eval(), torch.randn(1, 7, 48)
         partitioned = partitioner.partition(model, _mesh(world), ((), dict(x=x)))
-        results[permuted] = (partitioned.compile()(x=x), model(x=x), partitioned.linear_styles)
+        results[permuted, heads] = (partitioned.compile()(x=x), model(x=x), partitioned.linear_styles)
     return results
 
 
 def test_a_fused_qkv_viewed_into_three_is_packed_by_its_thirds_and_exact():
     """Was: the projection left whole ("unbind along the sharded dim 2" / "select.int along the sharded dim 0"):
     a plain column split gives rank 0 all of q and half of k. Packed as q, k, v, each rank holds its heads of all
-    three (3 of the 6 heads), exact on every rank."""
+    three (3 of the 6 heads; of 3 heads, 2 and 1), exact on every rank."""
     for rank, results in enumerate(run_ranks(2, _fused_qkv)):
-        for permuted, (actual, expected, styles) in results.items():
-            assert str(styles["qkv"]).startswith("colwise") and "packed" in str(styles["qkv"]), styles["qkv"]
+        for case, (actual, expected, styles) in results.items():
+            assert str(styles["qkv"]).startswith("colwise packed [48, 48, 48]"), styles["qkv"]
             assert str(styles["o"]).startswith("rowwise"), styles["o"]
-            torch.testing.assert_close(actual, expected, **TOLERANCE, msg=f"rank {rank} permuted={permuted}")
+            torch.testing.assert_close(actual, expected, **TOLERANCE, msg=f"rank {rank} (permuted, heads) {case}")

@@ -102,11 +102,17 @@ def _values_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:
         orders = annotation(k).rank_order, annotation(v).rank_order
         if k is v or (orders[0] is None) == (orders[1] is None):
             continue
-        value, (axis, blocks) = (v, orders[0]) if orders[0] is not None else (k, orders[1])
+        slot, (axis, blocks) = (2, orders[0]) if orders[0] is not None else (1, orders[1])
+        value = node.args[slot]
         reordered = _rank_order(gm.graph, value, 2, blocks, ctx.mesh.size(axis), node)
         annotation(reordered).rank_order = (axis, blocks)
-        node.replace_input_with(value, reordered)
-        rekey(node, value, reordered)
+        node.update_arg(slot, reordered)  # (that slot only: queries read as the same value keep their order)
+        if value in node.args:
+            for requirements in annotation(node).required.values():
+                if value in requirements:
+                    requirements[reordered] = requirements[value]
+        else:
+            rekey(node, value, reordered)
 
 
 def _masks_in_rank_order(gm: GraphModule, ctx: PassContext) -> None:

@@ -145,7 +145,7 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         fake_inputs = [torch.empty(_expected_local(n, mesh), dtype=n.meta["val"].dtype, device=n.meta["val"].device)
                        if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
                        for n in gm.graph.nodes if n.op == "placeholder"]
-    propagate_fake_values(gm, mode, fake_inputs)
+    propagate_fake_values(gm, mode, fake_inputs, shape_of=lambda node: _expected_local(node, mesh))
     return gm
 
 
