@@ -87,31 +87,41 @@ def _sources(gm: GraphModule) -> list[Node]:
 
 
 def _refuse_device_cuts(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> None:
-    """A source sized by a number another source read (``y[:, :n]`` with ``n = mask.sum().item()``) cuts a tensor;
-    when that tensor is computed from the model's weights the cut cannot run on the host, and padding it to a
-    bound would let what follows (attention over its rows, sums) read rows past ``n``: refused by name."""
+    """A source sized by a number another source read from the forward's arguments (``y[:, :n]`` with
+    ``n = mask.sum().item()``) cuts a tensor; when that tensor is computed from the model's weights the cut cannot
+    run on the host, and padding it to a bound would let what follows (attention over its rows, sums) read rows
+    past ``n``: refused by name. (A length computed from activations or from constants alone, a router's
+    per-expert counts, is left to the prologue's own refusal.)"""
     model_inputs = {node: graph_input.target for node, graph_input in ctx.placeholder_inputs(gm).items()
                     if graph_input.kind != "user"}
+
+    def behind(node: Node) -> list[Node]:
+        """The graph's inputs ``node`` is computed from, in graph order."""
+        reached, stack = set(), [node]
+        while stack:
+            current = stack.pop()
+            if current not in reached:
+                reached.add(current)
+                stack.extend(current.all_input_nodes)
+        return [n for n in gm.graph.nodes if n in reached and n.op == "placeholder"]
+
+    def weights_behind(node: Node) -> list[Node]:
+        return [n for n in behind(node) if n in model_inputs]
+
     for cut in sources:
         sizes = [a for a in cut.args if isinstance(a, Node) and not isinstance(a.meta.get("val"), torch.Tensor)
                  and _unbacked(a.meta.get("val"))]
         operand = next((a for a in cut.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)), None)
-        if not sizes or operand is None:
-            continue
-        reached, stack = set(), [operand]
-        while stack:
-            node = stack.pop()
-            if node not in reached:
-                reached.add(node)
-                stack.extend(node.all_input_nodes)
-        weights = [n for n in gm.graph.nodes if n in reached and n in model_inputs]
+        if not sizes or operand is None or weights_behind(sizes[0]) or not behind(sizes[0]):
+            continue  # (a length computed from activations, or from constants alone: the prologue's refusal)
+        weights = weights_behind(operand)
         if weights:
             raise DataDependentNumber(
                 f"{cut.name} ({cut.target}; {source_line(cut)}) cuts {operand.name}, a value the model computes "
-                f"from its weights ({model_inputs[weights[0]]}), to a length read from "
-                f"data ({sizes[0].name}: {source_line(sizes[0])}); the host prologue cannot compute it, and padding "
-                "it to a bound would let what follows read the rows past that length. Call the model with inputs "
-                "already cut to that length (e.g. the text rows its mask keeps), so the size is static")
+                f"from its weights ({model_inputs[weights[0]]}), to a length read from data ({sizes[0].name}: "
+                f"{source_line(sizes[0])}); the host prologue cannot compute it, and padding it to a bound would let "
+                "what follows read the rows past that length. Call the model with inputs already cut to that length "
+                "(e.g. the text rows its mask keeps), so the size is static")
 
 
 def _host_nodes(gm: GraphModule, sources: list[Node]) -> set[Node]:
