@@ -205,3 +205,36 @@ def test_a_cut_of_a_computed_value_by_a_data_dependent_length_is_refused_by_name
     with pytest.raises(DataDependentNumber, match=r"cuts .*a value the model computes from its weights \(proj\.\w+\)"
                                                   r", to a length read from data .*inputs already cut"):
         partitioner.partition(CutsProjectedText(), {"tp": 2}, ((), inputs))
+
+
+class StaticCapacityExperts(nn.Module):
+    """Expert-choice routing with a fixed capacity, as NucleusMoE writes it: each expert takes its top rows, and the
+    per-expert counts are read back from ``torch.full((experts,), capacity).tolist()``: numbers read from data
+    export cannot see, though the forward builds them from constants alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = nn.Linear(8, 3), nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        picked = self.router(x).topk(2, dim=0).indices.t().reshape(-1)
+        counts = torch.full((3,), 2).tolist()
+        outs = [expert(rows) for expert, rows in zip(self.experts, x[picked].split(counts))]
+        return torch.zeros_like(x).index_add(0, picked, torch.cat(outs))
+
+
+def _static_capacity(rank: int, world: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, x = StaticCapacityExperts().eval(), torch.randn(6, 8)
+    planned = partitioner.partition(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), ((), dict(x=x)))
+    other = torch.randn(6, 8)
+    return planned.ctx.host, [(planned.compile()(x=v) - model(x=v)).abs().max().item() for v in (x, other)]
+
+
+def test_counts_built_from_constants_are_folded_into_static_sizes():
+    """Was: DataDependentNumber (the counts' .item() reads). Folded at partition time: no host prologue, exact on
+    every rank for another input too."""
+    for host, errors in run_ranks(2, _static_capacity):
+        assert host is None and max(errors) < 1e-6, (host, errors)

@@ -24,8 +24,6 @@ from partitioner.testing.zoo_check import MODES, partition_case
 REFUSED = {
     # mixture-of-experts routing on activations through `.cpu().numpy()` (export refuses it)
     "hidream": ("TraceError", "transformer_hidream_image.py:389"),
-    # per-expert row counts read with .item() from a top-k over activations: no host prologue can compute them
-    "nucleus_moe": ("DataDependentNumber", "transformer_nucleusmoe_image.py:498"),
 }
 # attentions sequence-sharded under ulysses=2, of the model's SDPA attentions: every self, joint and cross attention
 # (H3's text refiner on its own text rows, gathered once after it). Sana's self-attention is linear attention (not
@@ -35,7 +33,8 @@ REFUSED = {
 SEQUENCE_SHARDED = {"flux": 4, "flux2": 4, "sd3": 2, "auraflow": 4, "pixart_sigma": 4, "wan": 4, "ltx_video": 4,
                     "allegro": 4, "cogvideox": 2, "cogview4": 2, "qwen_image": 2, "minimax_h3": 3,
                     "hunyuan_video": 5, "sana": 2, "lumina2": 4, "mochi": 2, "chroma": 4, "bria": 4, "skyreels_v2": 4,
-                    "chronoedit": 4, "wan_vace": 8, "kandinsky5": 5, "easyanimate": 2, "hunyuan_video15": 3}
+                    "chronoedit": 4, "wan_vace": 8, "kandinsky5": 5, "easyanimate": 2, "hunyuan_video15": 3,
+                    "nucleus_moe": 5}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,9 @@ Guarantees:
   data-dependent dim to that size's upper bound; the padding is zeros and, for ``unique``'s distinct values, no
   per-row index points at it, so results do not change;
 - the device graph carries no unbacked symbol: its values are re-propagated with the bounded, static shapes.
+Numbers read from tensors the forward builds from constants alone (a router's fixed per-expert capacity, read back
+by ``.tolist()``) are computed at partition time and written into the graph instead, when that leaves no
+data-dependent size (``_fold_constant_numbers``).
 Bounds come from ``torch._check(n <= k)`` in the traced code (export records them) or from the ``bounds`` option
 of ``partition``, keyed by the data-dependent op's node name (the error for a missing bound names it).
 """
@@ -27,7 +30,7 @@ from ..decisions import Hoisted, HostKind
 from ..errors import DataDependentNumber, InvariantError
 from ..kinds import InputKind
 from ..frontend.padding import follow_padding
-from ..frontend.trace import GraphInput
+from ..frontend.trace import GraphInput, copy_graph_module
 from ..source import source_line
 from ..rules import PartitionError
 from .context import PassContext
@@ -280,9 +283,57 @@ def _propagate_static_shapes(gm: GraphModule, ctx: PassContext, transfers: list[
     propagate_fake_values(gm, mode, fakes)
 
 
+def _ancestors(node: Node) -> set[Node]:
+    reached, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in reached:
+            reached.add(current)
+            stack.extend(current.all_input_nodes)
+    return reached
+
+
+def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> bool:
+    """Numbers read from tensors the forward builds from constants alone (a router's per-expert capacity,
+    ``torch.full((experts,), capacity).tolist()``) are the same on every call: computed now and written into the
+    graph, whose sizes then come out static. Only where that leaves no data-dependent size at all (sizes of other
+    sources keep their traced bounds, which a new propagation would not know); True when folded."""
+    reads = [s for s in sources if not isinstance(s.meta.get("val"), torch.Tensor)
+             and not any(n.op == "placeholder" for n in _ancestors(s))]
+    if not reads:
+        return False
+    folded, env = copy_graph_module(gm), {}
+    mapping = dict(zip(gm.graph.nodes, folded.graph.nodes))
+    for node in gm.graph.nodes:  # (in graph order: a read's ancestors come first)
+        if node in set().union(*(_ancestors(r) for r in reads)):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": "cpu"}  # (a model traced on meta builds its constants there)
+            env[node] = node.target(*args, **kwargs)
+    for read in reads:
+        copy, value = mapping[read], env[read]
+        for user in list(copy.users):
+            user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
+                                                           lambda n: value if n is copy else n)
+    folded.graph.eliminate_dead_code()
+    for node in folded.graph.nodes:  # (the symbols export bound are gone with the reads)
+        node.meta.pop("unbacked_bindings", None)
+    try:
+        _propagate_static_shapes(folded, ctx, [])
+    except Exception:  # noqa: BLE001  (a size still read from data: left as traced)
+        return False
+    if _sources(folded) or any(_unbacked(n.meta.get("val")) for n in folded.graph.nodes):
+        return False
+    for node in [n for n in folded.graph.nodes if n.target in _SIZE_CHECKS]:
+        folded.graph.erase_node(node)
+    gm.graph = folded.graph
+    gm.recompile()
+    return True
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     sources = _sources(gm)
-    if not sources:
+    if not sources or _fold_constant_numbers(gm, ctx, sources):
         return gm
     _refuse_device_cuts(gm, ctx, sources)
     host = _host_nodes(gm, sources)

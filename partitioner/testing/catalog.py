@@ -77,27 +77,10 @@ def filled_config(cls: str) -> dict:
 
 
 def build_tiny(cls: str) -> torch.nn.Module:
-    """``CATALOG_CONFIGS[cls]`` built in eval mode, float32, initialised after ``torch.manual_seed(0)``; parameters left
-    all zero (gates, modulations, output layers initialised to zero) drawn at random, as ``zoo.build`` does, so
-    the paths behind them count in the outputs compared."""
+    """``CATALOG_CONFIGS[cls]`` built tiny and random, the same on every process (``zoo.seeded``)."""
     import diffusers
 
-    previous, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
-    torch.set_default_dtype(torch.float32)
-    # A parameter a model leaves as torch.empty (LuminaNext's pad_token) would hold whatever memory each process
-    # had: filled with NaN here (deterministic mode fills uninitialised memory) and then drawn like a zero one.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        torch.manual_seed(0)
-        model = getattr(diffusers, cls)(**CATALOG_CONFIGS[cls])
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if not parameter.any() or not parameter.isfinite().all():
-                    parameter.normal_(std=0.1)
-        return model.eval()
-    finally:
-        torch.set_default_dtype(previous)
-        torch.use_deterministic_algorithms(deterministic)
+    return zoo.seeded(lambda: getattr(diffusers, cls)(**CATALOG_CONFIGS[cls]))
 
 
 def partition_case(rank: int, world: int, name: str, shape: tuple, names: tuple, sizes: dict | None = None) -> dict:

@@ -314,21 +314,36 @@ def build(name: str, *, full: bool = False, device: str | torch.device = "cpu") 
     entry, cls = ZOO[name], _cls(name)
     if full and entry.full is None:
         raise InputError(f"{name}: no full-size config known")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        if full:
+    if full:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
             with torch.device("meta"):
                 return cls(**entry.full).eval()
+        finally:
+            torch.set_default_dtype(previous)
+    return seeded(lambda: cls(**entry.tiny)).to(device).eval()
+
+
+def seeded(construct) -> torch.nn.Module:
+    """``construct()`` in float32 after ``torch.manual_seed(0)``, the same on every process: zero-initialised
+    parameters (gates, modulations, output layers) drawn at random, so the paths behind them count in the outputs
+    compared; parameters a model leaves as ``torch.empty`` (LuminaNext's pad token, NucleusMoE's experts) would hold
+    whatever memory each process had, so uninitialised memory is filled (deterministic mode: NaN) and drawn too."""
+    previous, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    torch.set_default_dtype(torch.float32)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
         torch.manual_seed(0)
-        model = cls(**entry.tiny)
-        with torch.no_grad():  # zero-initialised gates and modulations drawn at random: the paths behind them
-            for parameter in model.parameters():  # count in the output the tests compare
-                if not parameter.any():
+        model = construct()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if not parameter.any() or not parameter.isfinite().all():
                     parameter.normal_(std=0.1)
-        return model.to(device).eval()
+        return model.eval()
     finally:
         torch.set_default_dtype(previous)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
