@@ -238,3 +238,22 @@ def test_counts_built_from_constants_are_folded_into_static_sizes():
     every rank for another input too."""
     for host, errors in run_ranks(2, _static_capacity):
         assert host is None and max(errors) < 1e-6, (host, errors)
+
+
+class CountsInAutocast(nn.Module):
+    """Counts built from constants inside an autocast region (a subgraph the fold does not evaluate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            counts = (torch.full((1, 3), 2.0) @ torch.ones(3, 3) / 3).round().long().reshape(-1).tolist()
+        return torch.cat([rows * 2 for rows in self.proj(x).split(counts)])
+
+
+def test_counts_the_fold_cannot_compute_keep_the_prologue_refusal():
+    """Was (in review): an InvariantError from evaluating a subgraph call; now the prologue's own refusal."""
+    with pytest.raises(DataDependentNumber, match="makes a data-dependent size"):
+        partitioner.partition(CountsInAutocast().eval(), {"tp": 2}, ((), dict(x=torch.randn(6, 8))))

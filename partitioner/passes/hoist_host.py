@@ -293,23 +293,41 @@ def _ancestors(node: Node) -> set[Node]:
     return reached
 
 
+def _same_every_call(node: Node) -> bool:
+    """An op whose result depends only on its arguments: no graph input, no random draw, no uninitialised memory,
+    nothing but aten ops and Python's arithmetic on their numbers."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded not in node.target.tags and \
+            node.target.overloadpacket not in _UNINITIALISED
+    return node.target.__module__ in ("_operator", "operator", "builtins", "math")
+
+
+_UNINITIALISED = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                  torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+
+
 def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> bool:
     """Numbers read from tensors the forward builds from constants alone (a router's per-expert capacity,
     ``torch.full((experts,), capacity).tolist()``) are the same on every call: computed now and written into the
     graph, whose sizes then come out static. Only where that leaves no data-dependent size at all (sizes of other
     sources keep their traced bounds, which a new propagation would not know); True when folded."""
     reads = [s for s in sources if not isinstance(s.meta.get("val"), torch.Tensor)
-             and not any(n.op == "placeholder" for n in _ancestors(s))]
+             and all(_same_every_call(n) for n in _ancestors(s))]
     if not reads:
         return False
     folded, env = copy_graph_module(gm), {}
     mapping = dict(zip(gm.graph.nodes, folded.graph.nodes))
-    for node in gm.graph.nodes:  # (in graph order: a read's ancestors come first)
-        if node in set().union(*(_ancestors(r) for r in reads)):
+    needed = set().union(*(_ancestors(read) for read in reads))
+    try:
+        for node in (n for n in gm.graph.nodes if n in needed):  # (in graph order: ancestors first)
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
             if "device" in kwargs:
                 kwargs = {**kwargs, "device": "cpu"}  # (a model traced on meta builds its constants there)
             env[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (not computable here: the prologue's own refusal says what it is)
+        return False
     for read in reads:
         copy, value = mapping[read], env[read]
         for user in list(copy.users):
@@ -326,6 +344,7 @@ def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node
         return False
     for node in [n for n in folded.graph.nodes if n.target in _SIZE_CHECKS]:
         folded.graph.erase_node(node)
+    folded.graph.eliminate_dead_code()  # (the checks' comparisons)
     gm.graph = folded.graph
     gm.recompile()
     return True

@@ -330,9 +330,12 @@ def seeded(construct) -> torch.nn.Module:
     parameters (gates, modulations, output layers) drawn at random, so the paths behind them count in the outputs
     compared; parameters a model leaves as ``torch.empty`` (LuminaNext's pad token, NucleusMoE's experts) would hold
     whatever memory each process had, so uninitialised memory is filled (deterministic mode: NaN) and drawn too."""
-    previous, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    previous = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.set_default_dtype(torch.float32)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         torch.manual_seed(0)
         model = construct()
@@ -343,7 +346,8 @@ def seeded(construct) -> torch.nn.Module:
         return model.eval()
     finally:
         torch.set_default_dtype(previous)
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def inputs(name: str, seed: int = 0, **sizes) -> tuple[tuple, dict]:
