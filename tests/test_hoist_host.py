@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import partitioner
-from partitioner import InputError, PartitionError
+from partitioner import InputError, PartitionError, TraceError
 from partitioner.errors import DataDependentNumber
 from partitioner.testing import TINY_H3, H3DenoiseStep, denoise_inputs, run_ranks, tiny_h3
 
@@ -202,8 +202,11 @@ def test_a_cut_of_a_computed_value_by_a_data_dependent_length_is_refused_by_name
     """Not an InvariantError from the trace's clean-up (a guard on the unbacked size), nor a weight blamed for
     feeding the host: the cut, the value it cuts and where the length comes from, and what to do."""
     inputs = dict(text=torch.randn(1, 5, 8), mask=torch.tensor([[1, 1, 1, 0, 0]]))
-    with pytest.raises(DataDependentNumber, match=r"cuts .*a value the model computes from its weights \(proj\.\w+\)"
-                                                  r", to a length read from data .*inputs already cut"):
+    refused = (DataDependentNumber, r"cuts .*a value the model computes from its weights \(proj\.\w+\), to a length "
+                                    r"read from data .*inputs already cut")
+    if torch.__version__ < "2.13":  # (torch 2.9's export itself stops at the cut, naming the model: torch_xla's venv)
+        refused = (TraceError, r"torch.export could not trace CutsProjectedText")
+    with pytest.raises(refused[0], match=refused[1]):
         partitioner.partition(CutsProjectedText(), {"tp": 2}, ((), inputs))
 
 

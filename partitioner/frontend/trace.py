@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
-from torch._library.opaque_object import is_opaque_value
 from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._sympy.numbers import int_oo
@@ -444,6 +443,13 @@ def _erase_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
                  torch.memory_format, torch.layout, torch.SymInt, torch.SymFloat, torch.SymBool, torch.nn.Module,
                  torch.ScriptObject, enum.Enum)
+
+
+try:
+    from torch._library.opaque_object import is_opaque_value
+except ImportError:  # (torch 2.9, torch_xla's: no opaque values)
+    def is_opaque_value(value) -> bool:
+        return False
 
 
 def _refuse_state_objects(leaves, owner: str) -> None:

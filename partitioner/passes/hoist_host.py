@@ -308,6 +308,25 @@ _UNINITIALISED = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.ate
                   torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 
 
+def _evaluate_number_arithmetic(graph: Graph) -> None:
+    """Python arithmetic and the trace's size checks whose arguments are all plain numbers now: computed and put
+    in their users' arguments (a check is run, then dropped)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.all_input_nodes or not (
+                    node.target in _SIZE_CHECKS or _same_every_call(node) and not isinstance(node.target,
+                                                                                        torch._ops.OpOverload)):
+                continue
+            value = node.target(*node.args, **node.kwargs)
+            for user in list(node.users):
+                user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
+                                                               lambda n, node=node: value if n is node else n)
+            graph.erase_node(node)
+            changed = True
+
+
 def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> bool:
     """Numbers read from tensors the forward builds from constants alone (a router's per-expert capacity,
     ``torch.full((experts,), capacity).tolist()``) are the same on every call: computed now and written into the
@@ -333,6 +352,10 @@ def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node
         for user in list(copy.users):
             user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
                                                            lambda n: value if n is copy else n)
+    try:  # arithmetic on the numbers and the trace's checks on them, now of plain numbers: computed (a check raises)
+        _evaluate_number_arithmetic(folded.graph)
+    except Exception:  # noqa: BLE001  (a check the numbers fail: the prologue's own refusal)
+        return False
     folded.graph.eliminate_dead_code()
     for node in folded.graph.nodes:  # (the symbols export bound are gone with the reads)
         node.meta.pop("unbacked_bindings", None)
@@ -342,9 +365,6 @@ def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node
         return False
     if _sources(folded) or any(_unbacked(n.meta.get("val")) for n in folded.graph.nodes):
         return False
-    for node in [n for n in folded.graph.nodes if n.target in _SIZE_CHECKS]:
-        folded.graph.erase_node(node)
-    folded.graph.eliminate_dead_code()  # (the checks' comparisons)
     gm.graph = folded.graph
     gm.recompile()
     return True
