@@ -34,6 +34,7 @@ from ..frontend.trace import GraphInput, copy_graph_module
 from ..source import source_line
 from ..rules import PartitionError
 from .context import PassContext
+from .plan_sequence import ancestors
 from .regions import propagate_fake_values
 
 # Trace-time checks on sizes: true by construction once shapes are static and bounded.
@@ -99,25 +100,18 @@ def _refuse_device_cuts(gm: GraphModule, ctx: PassContext, sources: list[Node]) 
                     if graph_input.kind != "user"}
 
     def behind(node: Node) -> list[Node]:
-        """The graph's inputs ``node`` is computed from, in graph order."""
-        reached, stack = set(), [node]
-        while stack:
-            current = stack.pop()
-            if current not in reached:
-                reached.add(current)
-                stack.extend(current.all_input_nodes)
+        """The graph's inputs ``node`` is computed from (or is), in graph order."""
+        reached = ancestors([node]) | {node}
         return [n for n in gm.graph.nodes if n in reached and n.op == "placeholder"]
-
-    def weights_behind(node: Node) -> list[Node]:
-        return [n for n in behind(node) if n in model_inputs]
 
     for cut in sources:
         sizes = [a for a in cut.args if isinstance(a, Node) and not isinstance(a.meta.get("val"), torch.Tensor)
                  and _unbacked(a.meta.get("val"))]
         operand = next((a for a in cut.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)), None)
-        if not sizes or operand is None or weights_behind(sizes[0]) or not behind(sizes[0]):
+        length_from = behind(sizes[0]) if sizes and operand is not None else []
+        if not length_from or any(n in model_inputs for n in length_from):
             continue  # (a length computed from activations, or from constants alone: the prologue's refusal)
-        weights = weights_behind(operand)
+        weights = [n for n in behind(operand) if n in model_inputs]
         if weights:
             raise DataDependentNumber(
                 f"{cut.name} ({cut.target}; {source_line(cut)}) cuts {operand.name}, a value the model computes "
@@ -283,16 +277,6 @@ def _propagate_static_shapes(gm: GraphModule, ctx: PassContext, transfers: list[
     propagate_fake_values(gm, mode, fakes)
 
 
-def _ancestors(node: Node) -> set[Node]:
-    reached, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current not in reached:
-            reached.add(current)
-            stack.extend(current.all_input_nodes)
-    return reached
-
-
 def _same_every_call(node: Node) -> bool:
     """An op whose result depends only on its arguments: no graph input, no random draw, no uninitialised memory,
     nothing but aten ops and Python's arithmetic on their numbers."""
@@ -319,12 +303,15 @@ def _evaluate_number_arithmetic(graph: Graph) -> None:
                     node.target in _SIZE_CHECKS or _same_every_call(node) and not isinstance(node.target,
                                                                                         torch._ops.OpOverload)):
                 continue
-            value = node.target(*node.args, **node.kwargs)
-            for user in list(node.users):
-                user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
-                                                               lambda n, node=node: value if n is node else n)
+            _replace_with_number(node, node.target(*node.args, **node.kwargs))
             graph.erase_node(node)
             changed = True
+
+
+def _replace_with_number(node: Node, value) -> None:
+    """Every user of ``node`` reads the plain ``value`` in its place."""
+    for user in list(node.users):
+        user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
 
 
 def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node]) -> bool:
@@ -333,12 +320,12 @@ def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node
     graph, whose sizes then come out static. Only where that leaves no data-dependent size at all (sizes of other
     sources keep their traced bounds, which a new propagation would not know); True when folded."""
     reads = [s for s in sources if not isinstance(s.meta.get("val"), torch.Tensor)
-             and all(_same_every_call(n) for n in _ancestors(s))]
+             and all(_same_every_call(n) for n in ancestors([s]) | {s})]
     if not reads:
         return False
     folded, env = copy_graph_module(gm), {}
     mapping = dict(zip(gm.graph.nodes, folded.graph.nodes))
-    needed = set().union(*(_ancestors(read) for read in reads))
+    needed = ancestors(reads) | set(reads)
     try:
         for node in (n for n in gm.graph.nodes if n in needed):  # (in graph order: ancestors first)
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -348,10 +335,7 @@ def _fold_constant_numbers(gm: GraphModule, ctx: PassContext, sources: list[Node
     except Exception:  # noqa: BLE001  (not computable here: the prologue's own refusal says what it is)
         return False
     for read in reads:
-        copy, value = mapping[read], env[read]
-        for user in list(copy.users):
-            user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
-                                                           lambda n: value if n is copy else n)
+        _replace_with_number(mapping[read], env[read])
     try:  # arithmetic on the numbers and the trace's checks on them, now of plain numbers: computed (a check raises)
         _evaluate_number_arithmetic(folded.graph)
     except Exception:  # noqa: BLE001  (a check the numbers fail: the prologue's own refusal)

@@ -158,13 +158,8 @@ def packing_for_lead_dim(source: Node, dim: int) -> tuple[Node, tuple[int, ...]]
     ``[..., 3, H, D]``, perhaps permuted since: a fused qkv projection), that view's input and the equal blocks,
     one per index of ``dim``, it must be packed in for each index to be whole on every rank; else None."""
     node = source
-    while node.target in (aten.permute.default, aten.transpose.int):
-        if node.target is aten.permute.default:
-            dim = norm_dim(node.args[1][dim], len(shape_of(node)))
-        else:
-            a, b = (norm_dim(d, len(shape_of(node))) for d in node.args[1:3])
-            dim = b if dim == a else a if dim == b else dim
-        node = node.args[0]
+    while node.target in (aten.permute.default, aten.transpose.int, aten.t.default):
+        dim, node = permutation(node)[dim], node.args[0]
     if node.target not in _VIEWS or not isinstance(node.args[0], Node):
         return None
     in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
@@ -263,16 +258,20 @@ def _moves_dims(new_dim: Callable[[Node, int], int]) -> Callable:
 @_moves_dims
 def permute(node: Node, dim: int) -> int:
     """permute / transpose / t"""
+    return permutation(node).index(dim)
+
+
+def permutation(node: Node) -> list[int]:
+    """The input dim each output dim of a permute, transpose or t is."""
     ndim = len(shape_of(node.args[0]))
     if node.target is aten.t.default:  # swaps the two dims of a matrix; a vector stays
-        return 1 - dim if ndim == 2 else dim
+        return [1, 0] if ndim == 2 else list(range(ndim))
     if node.target is aten.permute.default:
-        order = [norm_dim(d, ndim) for d in node.args[1]]
-    else:
-        a, b = (norm_dim(d, ndim) for d in node.args[1:3])
-        order = list(range(ndim))
-        order[a], order[b] = order[b], order[a]
-    return order.index(dim)
+        return [norm_dim(d, ndim) for d in node.args[1]]
+    a, b = (norm_dim(d, ndim) for d in node.args[1:3])
+    order = list(range(ndim))
+    order[a], order[b] = order[b], order[a]
+    return order
 
 
 @register(aten.unsqueeze.default)
