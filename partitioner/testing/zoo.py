@@ -272,7 +272,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
         full=dict(),  # the class defaults
         make_inputs=qwen_image_inputs,  # its pipeline builds Qwen-Image's inputs
         notes=("eager ok; its mixture-of-experts layer runs each expert on its routed rows, counted per expert with "
-               ".item() from the router's top-k over activations: refused by name (DataDependentNumber).")),
+               ".tolist() of a tensor of its fixed capacity: the counts are folded at partition time "
+               "(hoist_host), exact in every mode.")),
 ]}
 
 
