@@ -255,3 +255,28 @@ def test_ulysses_exchanges_of_q_k_and_v_are_in_flight_together(slow_links):
     unscheduled = list(graph({"schedule": False}).graph.nodes)
     q = next(n for n in unscheduled if n.target is collectives.all_to_all_start)
     assert unscheduled[unscheduled.index(q) + 1] is next(iter(q.users))  # without the schedule: waited at once
+
+
+def test_the_next_collective_s_inputs_are_computed_first():
+    """Three projections, each exchanged (Ulysses' q, k and v): the query exchange is issued as soon as the query
+    projection has run, and the key and value projections run while it travels (the original order computes all
+    three first). A free collective (nothing to hide) keeps the original order."""
+    from partitioner.runtime import collectives
+    from partitioner.passes.schedule_collectives import _order
+
+    aten, graph = torch.ops.aten, torch.fx.Graph()
+    x, *weights = (graph.placeholder(name) for name in ("x", "wq", "wk", "wv"))
+    products = [graph.call_function(aten.mm.default, (x, w)) for w in weights]
+    projections = [graph.call_function(aten.mul.Tensor, (p, 2.0)) for p in products]  # (a norm, say)
+    issued = []
+    for projection in projections:
+        issued.append(graph.call_function(collectives.all_to_all_start, (projection, 0, 1, "ulysses")))
+        annotation(issued[-1]).collective = ("all_to_all", "ulysses")
+    done = [graph.call_function(collectives.all_to_all_wait, (i,)) for i in issued]
+    graph.output(graph.call_function(aten.cat.default, (done,)))
+    for node in graph.nodes:
+        node.meta["val"] = torch.empty(8, 8)
+    run = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    order = _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 1.0, limit=1e12)
+    assert order[:9] == [node for i in range(3) for node in (products[i], projections[i], issued[i])]
+    assert _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 0.0, limit=1e12)[:4] == [*products, projections[0]]

@@ -8,6 +8,9 @@ repeated block's run of nodes (Inductor's regions stay whole, one compilation pe
 
 The rule is a list schedule over each run of nodes, in the original order except that
 - a collective whose turn has come (its inputs computed, every earlier collective issued) goes first;
+- among the other nodes ready, those the next collective reads (directly or not) go first, where its estimated time
+  is not zero: Ulysses' query exchange is issued once the queries are computed and runs while the keys and values
+  are (the original order computes all three projections first);
 - a wait (``wait_tensor``) gives way to any other node that is ready while the collective's estimated time on the
   device profile (``partitioner.planning.cost``; the share of it compute can hide, the profile's ``overlap``) is not yet
   covered by the compute run since it was issued. Giving way past that would only keep more values alive, so it
@@ -129,12 +132,24 @@ def _peak(order: list[Node]) -> tuple[int, set[Node]]:
     return max(peak, 0), held
 
 
+def _ancestors_in(node: Node, position: dict) -> set[Node]:
+    """The nodes of the run that ``node`` reads, directly or not."""
+    seen, stack = set(), [node]
+    while stack:
+        for n in stack.pop().all_input_nodes:
+            if n in position and n not in seen:
+                seen.add(n)
+                stack.append(n)
+    return seen
+
+
 def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset = frozenset()) -> list[Node]:
     """The schedule of one run of nodes (see the module docstring); a node is hoisted over a wait only while the
     run's values hold at most ``limit`` bytes, and never a ``pinned`` one."""
     position = {node: i for i, node in enumerate(run)}
     missing = {node: sum(1 for n in node.all_input_nodes if n in position) for node in run}
     collectives = [node for node in run if issues_collective(node)]
+    feeds = {node: _ancestors_in(node, position) for node in collectives if comm_s(node) > 0}
     ready = [(position[node], node) for node in run if missing[node] == 0]
     heapq.heapify(ready)
     uncovered: dict[Node, float] = {}  # issued collective -> its estimated time not yet covered by compute
@@ -149,7 +164,10 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
             raise InvariantError(f"schedule_collectives: no node of {run[0].name}..{run[-1].name} can run next")
         chosen = next((node for node in candidates if issues_collective(node)), None)
         if chosen is None:
-            chosen = candidates[0]
+            # compute the next collective needs first, so it is issued (and overlaps what follows) sooner
+            upcoming = feeds.get(collectives[turn]) if turn < len(collectives) else None
+            chosen = next((node for node in candidates if node in upcoming), candidates[0]) if upcoming \
+                else candidates[0]
             if _is_wait(chosen) and uncovered.get(chosen.args[0], 0.0) > 0:
                 chosen = next((node for node in candidates if not _is_wait(node) and node not in pinned
                                and live.peak_if_next(node) <= limit), chosen)
