@@ -26,6 +26,7 @@ against the single-device model on both ranks; a peer that does not run prints i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import os
@@ -87,10 +88,17 @@ def _config(name: str) -> tuple[type, dict, dict]:
     return cls, given, inputs
 
 
-def _patch_accelerator() -> None:
-    """The peers ask for an accelerator while they build their meshes; on this CPU build there is none."""
+@contextlib.contextmanager
+def _cpu_as_accelerator():
+    """The peers ask for an accelerator while they build their meshes; on this CPU build there is none. Only
+    while they set up: torch.compile asks too, and must see none."""
+    saved = torch.accelerator.device_count, torch.accelerator.current_accelerator
     torch.accelerator.device_count = lambda: 1
     torch.accelerator.current_accelerator = lambda *args, **kwargs: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count, torch.accelerator.current_accelerator = saved
 
 
 def _peer(peer: str, layout: str, model: torch.nn.Module, world: int) -> None:
@@ -108,8 +116,11 @@ def _peer(peer: str, layout: str, model: torch.nn.Module, world: int) -> None:
 
 
 def _reason(failure: BaseException) -> str:
-    lines = str(failure).strip().splitlines()
-    return f"{type(failure).__name__}: {lines[0][:160]}" if lines else f"{type(failure).__name__} (no message)"
+    """One line for the table: the message's first line (a rank's failure: its traceback's last line)."""
+    lines = [line for line in str(failure).strip().splitlines() if line.strip()]
+    line = lines[-1] if type(failure).__name__ == "RankFailure" and lines else \
+        f"{type(failure).__name__}: {lines[0]}" if lines else f"{type(failure).__name__} (no message)"
+    return line[:200].replace("|", "\\|")
 
 
 def _held_bytes(model: torch.nn.Module) -> int:
@@ -126,7 +137,6 @@ def _rank(rank: int, world: int, name: str, layout: str, peer: str, pairs: int, 
     from partitioner.testing.memory import peak_allocated_bytes
 
     torch.set_num_threads(1)
-    _patch_accelerator()
     cls, config, inputs = _config(name)
     model = zoo.seeded(lambda: cls(**config))
     with torch.no_grad():
@@ -139,25 +149,31 @@ def _rank(rank: int, world: int, name: str, layout: str, peer: str, pairs: int, 
     rows = {"ours": dict(held=sum(report.parameter_bytes.values()))}
     try:
         theirs = zoo.seeded(lambda: cls(**config))
-        _peer(peer, layout, theirs, world)
+        with _cpu_as_accelerator():
+            _peer(peer, layout, theirs, world)
         if backend == "inductor":
             theirs = torch.compile(theirs)
         steps[peer] = lambda: theirs(**inputs, return_dict=False)
         rows[peer] = dict(held=_held_bytes(theirs))
     except Exception as failure:  # the peer's own reason, printed in its row
         rows[peer] = dict(failed=_reason(failure))
+    ready = torch.tensor([peer in steps])
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a set-up that failed on one rank is dropped on both
+    if not ready.item() and peer in steps:
+        del steps[peer]
+        rows[peer] = dict(failed="its set-up failed on the other rank")
     for side, step in list(steps.items()):
         try:
             with torch.no_grad():
                 rows[side]["error"] = (step()[0] - expected).abs().max().item() / expected.abs().max().item()
                 step()
                 rows[side]["peak"] = peak_allocated_bytes(step)
+            dist.barrier()
         except Exception as failure:
             # A side that fails on one rank leaves the other waiting inside its collectives: return at once, so
             # this process's exit closes the connection and the other rank fails too (with a reason of its own).
             rows[side] = dict(failed=_reason(failure))
             return rows
-        dist.barrier()
     times = {side: [] for side in steps}
     with torch.no_grad():
         for pair in range(pairs):
@@ -203,7 +219,7 @@ def run(models, layouts, pairs: int, backend: str) -> list[dict]:
                 row = dict(model=name, layout=layout, peer=peer)
                 for side in ("ours", peer):
                     failed = sorted((r[side]["failed"] for r in ranks if "failed" in r[side]),
-                                    key=lambda reason: "Connection closed" in reason)  # the first rank's reason
+                                    key=lambda reason: "Connection closed" in reason or "other rank" in reason)
                     if failed:
                         row[f"{side} failed"] = failed[0]
                         continue
@@ -224,10 +240,11 @@ def _line(row: dict) -> str:
     head = f"| {row['model']} | {row['layout']}=2 | {row['peer']} |"
     peer = row["peer"]
     if "failed" in row or f"{peer} failed" in row or "ours failed" in row:
-        reason = row.get("failed") or row.get(f"{peer} failed") or f"ours: {row.get('ours failed')}"
         ours = row.get("ours")
         ours_ms = f"{statistics.median(ours['times']) * 1e3:.1f}" if ours else "-"
-        return f"{head} - | {ours_ms} | - | - | - | peer does not run: {reason} |"
+        reason = f"ours fails: {row['ours failed']}" if "ours failed" in row else \
+            f"peer does not run: {row.get('failed') or row.get(f'{peer} failed')}"
+        return f"{head} - | {ours_ms} | - | - | - | {reason} |"
     q1, median, q3 = _quartiles(row["ratios"])
     ours, theirs = row["ours"], row[peer]
     return (f"{head} {median:.3f} ({q1:.3f}-{q3:.3f}) | {statistics.median(ours['times']) * 1e3:.1f} | "

@@ -280,3 +280,29 @@ def test_the_next_collective_s_inputs_are_computed_first():
     order = _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 1.0, limit=1e12)
     assert order[:9] == [node for i in range(3) for node in (products[i], projections[i], issued[i])]
     assert _order(run, compute_s=lambda n: 1.0, comm_s=lambda n: 0.0, limit=1e12)[:4] == [*products, projections[0]]
+
+
+def test_computing_the_next_collective_s_inputs_first_obeys_the_memory_bound():
+    """The next collective's inputs go first only within the hoisting limits: a large value that feeds it, hoisted
+    over an earlier exchange's wait, would outlive the original peak; it is pinned and the run still gets a schedule
+    (was: every limit gave the same order, and the run kept its original order with no overlap at all)."""
+    from partitioner.runtime import collectives
+    from partitioner.passes.schedule_collectives import _within_memory, peak_bytes
+
+    aten, graph = torch.ops.aten, torch.fx.Graph()
+    x, w, xb, wb = (graph.placeholder(name) for name in ("x", "w", "xb", "wb"))
+    first = graph.call_function(collectives.all_to_all_start, (graph.call_function(aten.mm.default, (x, w)), 0, 1, "u"))
+    read = graph.call_function(aten.mul.Tensor, (graph.call_function(collectives.all_to_all_wait, (first,)), 2.0))
+    big = graph.call_function(aten.mm.default, (xb, wb))
+    second = graph.call_function(collectives.all_to_all_start,
+                                 (graph.call_function(aten.sum.dim_IntList, (big, [0], True)), 0, 1, "u"))
+    done = graph.call_function(collectives.all_to_all_wait, (second,))
+    graph.output(graph.call_function(aten.cat.default, ([done, graph.call_function(aten.mul.Tensor, (read, 3.0))],)))
+    for node in graph.nodes:
+        node.meta["val"] = torch.empty(64, 64) if node is big else torch.empty(8, 8)
+    for issued in (first, second):
+        annotation(issued).collective = ("all_to_all", "u")
+    run = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    order = _within_memory(run, compute_s=lambda n: 1.0, comm_s=lambda n: 1.0)
+    assert order is not None and peak_bytes(order) <= peak_bytes(run)
+    assert order != run  # still overlapped: the last multiply runs while the second exchange travels

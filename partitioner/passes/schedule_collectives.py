@@ -9,8 +9,8 @@ repeated block's run of nodes (Inductor's regions stay whole, one compilation pe
 The rule is a list schedule over each run of nodes, in the original order except that
 - a collective whose turn has come (its inputs computed, every earlier collective issued) goes first;
 - among the other nodes ready, those the next collective reads (directly or not) go first, where its estimated time
-  is not zero: Ulysses' query exchange is issued once the queries are computed and runs while the keys and values
-  are (the original order computes all three projections first);
+  is not zero and within the hoisting limits below: Ulysses' query exchange is issued once the queries are computed
+  and runs while the keys and values are (the original order computes all three projections first);
 - a wait (``wait_tensor``) gives way to any other node that is ready while the collective's estimated time on the
   device profile (``partitioner.planning.cost``; the share of it compute can hide, the profile's ``overlap``) is not yet
   covered by the compute run since it was issued. Giving way past that would only keep more values alive, so it
@@ -132,12 +132,12 @@ def _peak(order: list[Node]) -> tuple[int, set[Node]]:
     return max(peak, 0), held
 
 
-def _ancestors_in(node: Node, position: dict) -> set[Node]:
-    """The nodes of the run that ``node`` reads, directly or not."""
+def _ancestors_in(node: Node, position: dict, done: set[Node]) -> set[Node]:
+    """The nodes of the run that ``node`` reads, directly or not, that are not ``done``."""
     seen, stack = set(), [node]
     while stack:
         for n in stack.pop().all_input_nodes:
-            if n in position and n not in seen:
+            if n in position and n not in seen and n not in done:
                 seen.add(n)
                 stack.append(n)
     return seen
@@ -149,11 +149,11 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
     position = {node: i for i, node in enumerate(run)}
     missing = {node: sum(1 for n in node.all_input_nodes if n in position) for node in run}
     collectives = [node for node in run if issues_collective(node)]
-    feeds = {node: _ancestors_in(node, position) for node in collectives if comm_s(node) > 0}
     ready = [(position[node], node) for node in run if missing[node] == 0]
     heapq.heapify(ready)
     uncovered: dict[Node, float] = {}  # issued collective -> its estimated time not yet covered by compute
-    order, turn, live = [], 0, _Live(run)
+    order, done, turn, live = [], set(), 0, _Live(run)
+    feeds: tuple[int, set[Node]] = (-1, set())  # (turn, what the collective of that turn reads and is not run yet)
 
     def eligible(node: Node) -> bool:
         return not issues_collective(node) or collectives[turn] is node
@@ -164,16 +164,20 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
             raise InvariantError(f"schedule_collectives: no node of {run[0].name}..{run[-1].name} can run next")
         chosen = next((node for node in candidates if issues_collective(node)), None)
         if chosen is None:
-            # compute the next collective needs first, so it is issued (and overlaps what follows) sooner
-            upcoming = feeds.get(collectives[turn]) if turn < len(collectives) else None
-            chosen = next((node for node in candidates if node in upcoming), candidates[0]) if upcoming \
-                else candidates[0]
+            # compute the next collective reads first, so it is issued (and overlaps what follows) sooner; a node
+            # moved ahead of the first candidate obeys the hoisting limits below
+            if feeds[0] != turn:
+                upcoming = collectives[turn] if turn < len(collectives) else None
+                feeds = (turn, _ancestors_in(upcoming, position, done) if upcoming and comm_s(upcoming) else set())
+            chosen = next((node for node in candidates if node in feeds[1] and (node is candidates[0] or (
+                node not in pinned and live.peak_if_next(node) <= limit))), candidates[0])
             if _is_wait(chosen) and uncovered.get(chosen.args[0], 0.0) > 0:
                 chosen = next((node for node in candidates if not _is_wait(node) and node not in pinned
                                and live.peak_if_next(node) <= limit), chosen)
         ready.remove((position[chosen], chosen))
         heapq.heapify(ready)
         order.append(chosen)
+        done.add(chosen)
         live.schedule(chosen)
         spent = compute_s(chosen)  # (a ring attention both communicates and computes)
         for issued in uncovered:
