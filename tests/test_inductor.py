@@ -176,3 +176,34 @@ def test_torch_compile_backend_needs_a_mesh():
 
     with pytest.raises(ValueError, match="'mesh' required"):
         partitioner_backend(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)], {"backend": "eager"})
+
+
+def _compiled_order(rank: int, world: int, keep: bool) -> list[str]:
+    """The compiled code's order of an all_reduce issued, a matmul that does not need it, and its wait."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from partitioner.backends import inductor
+
+    functional, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+
+    def step(x, w):
+        issued = functional.all_reduce.default(x * 2, "sum", group)
+        independent = torch.mm(w, w).sin()
+        return functional.wait_tensor.default(issued) + independent
+
+    if not keep:
+        inductor.KEEP_COLLECTIVE_SCHEDULE = {}
+    gm, args = torch.fx.symbolic_trace(step), [torch.randn(16, 16), torch.randn(16, 16)]
+    _, (code,) = run_and_get_code(lambda: inductor._compile(gm, args))
+    calls = code[code.index("def call"):].splitlines()
+    return [kind for line in calls for kind in ("functional.all_reduce_", "extern_kernels.mm", "wait_tensor")
+            if kind in line and not line.strip().startswith("#")]
+
+
+def test_inductor_keeps_the_schedule_of_collectives():
+    """schedule_collectives waits after independent compute; Inductor's reordering for peak memory would run the
+    wait right after its issue (a wait frees the send buffer), so nothing overlaps: it is off for our regions.
+    The control: with Inductor's defaults, the wait moves up."""
+    assert run_ranks(1, _compiled_order, True)[0] == ["functional.all_reduce_", "extern_kernels.mm", "wait_tensor"]
+    assert run_ranks(1, _compiled_order, False)[0] == ["functional.all_reduce_", "wait_tensor", "extern_kernels.mm"]
