@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import inspect
 import os
 import platform
 import statistics
@@ -74,18 +73,15 @@ def _install_cache_dit() -> None:
 
 
 def _config(name: str) -> tuple[type, dict, dict]:
-    """The model's class, its widened config and the pipeline-built inputs at the benchmark's sizes."""
+    """The model's class, its widened config (the class defaults filled in) and the pipeline-built inputs at the
+    benchmark's sizes."""
     import diffusers
 
     from partitioner.testing import zoo
 
-    entry = zoo.ZOO[name]
-    cls = getattr(diffusers, entry.cls)
-    given = {**entry.tiny, **MODELS[name][0]}
-    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    _, inputs = entry.make_inputs({**defaults, **given}, 0, **MODELS[name][1])
-    return cls, given, inputs
+    config = {**zoo.config(name), **MODELS[name][0]}
+    _, inputs = zoo.ZOO[name].make_inputs(config, 0, **MODELS[name][1])
+    return getattr(diffusers, zoo.ZOO[name].cls), config, inputs
 
 
 @contextlib.contextmanager
@@ -118,8 +114,12 @@ def _peer(peer: str, layout: str, model: torch.nn.Module, world: int) -> None:
 def _reason(failure: BaseException) -> str:
     """One line for the table: the message's first line (a rank's failure: its traceback's last line)."""
     lines = [line for line in str(failure).strip().splitlines() if line.strip()]
-    line = lines[-1] if type(failure).__name__ == "RankFailure" and lines else \
-        f"{type(failure).__name__}: {lines[0]}" if lines else f"{type(failure).__name__} (no message)"
+    if not lines:
+        line = f"{type(failure).__name__} (no message)"
+    elif type(failure).__name__ == "RankFailure":
+        line = lines[-1]
+    else:
+        line = f"{type(failure).__name__}: {lines[0]}"
     return line[:200].replace("|", "\\|")
 
 
@@ -189,11 +189,6 @@ def _rank(rank: int, world: int, name: str, layout: str, peer: str, pairs: int, 
     return rows
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, median, q3
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
@@ -245,7 +240,7 @@ def _line(row: dict) -> str:
         reason = f"ours fails: {row['ours failed']}" if "ours failed" in row else \
             f"peer does not run: {row.get('failed') or row.get(f'{peer} failed')}"
         return f"{head} - | {ours_ms} | - | - | - | {reason} |"
-    q1, median, q3 = _quartiles(row["ratios"])
+    q1, median, q3 = statistics.quantiles(row["ratios"], n=4, method="inclusive")
     ours, theirs = row["ours"], row[peer]
     return (f"{head} {median:.3f} ({q1:.3f}-{q3:.3f}) | {statistics.median(ours['times']) * 1e3:.1f} | "
             f"{statistics.median(theirs['times']) * 1e3:.1f} | {_mib(ours['held'])} / {_mib(theirs['held'])} | "

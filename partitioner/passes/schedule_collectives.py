@@ -153,10 +153,16 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
     heapq.heapify(ready)
     uncovered: dict[Node, float] = {}  # issued collective -> its estimated time not yet covered by compute
     order, done, turn, live = [], set(), 0, _Live(run)
-    feeds: tuple[int, set[Node]] = (-1, set())  # (turn, what the collective of that turn reads and is not run yet)
 
     def eligible(node: Node) -> bool:
         return not issues_collective(node) or collectives[turn] is node
+
+    def feeding(turn: int) -> set[Node]:
+        """What the collective whose turn it is reads and is not run yet (none where it has nothing to hide)."""
+        upcoming = collectives[turn] if turn < len(collectives) else None
+        return _ancestors_in(upcoming, position, done) if upcoming is not None and comm_s(upcoming) else set()
+
+    feeds = feeding(turn)
 
     while ready:
         candidates = [node for _, node in sorted(ready) if eligible(node)]
@@ -166,10 +172,7 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
         if chosen is None:
             # compute the next collective reads first, so it is issued (and overlaps what follows) sooner; a node
             # moved ahead of the first candidate obeys the hoisting limits below
-            if feeds[0] != turn:
-                upcoming = collectives[turn] if turn < len(collectives) else None
-                feeds = (turn, _ancestors_in(upcoming, position, done) if upcoming and comm_s(upcoming) else set())
-            chosen = next((node for node in candidates if node in feeds[1] and (node is candidates[0] or (
+            chosen = next((node for node in candidates if node in feeds and (node is candidates[0] or (
                 node not in pinned and live.peak_if_next(node) <= limit))), candidates[0])
             if _is_wait(chosen) and uncovered.get(chosen.args[0], 0.0) > 0:
                 chosen = next((node for node in candidates if not _is_wait(node) and node not in pinned
@@ -184,6 +187,7 @@ def _order(run: list[Node], compute_s, comm_s, limit: float, pinned: frozenset =
             uncovered[issued] = max(0.0, uncovered[issued] - spent)
         if issues_collective(chosen):
             turn += 1
+            feeds = feeding(turn)
             if any(_is_wait(user) for user in chosen.users):
                 uncovered[chosen] = comm_s(chosen)
         if _is_wait(chosen):
