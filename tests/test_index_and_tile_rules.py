@@ -233,3 +233,21 @@ def test_a_constant_index_that_is_one_ascending_run_is_traced_as_a_slice():
 
     traced = trace(PicksFromAScalar(), ((x,), {}))
     assert aten.index_select.default in [n.target for n in traced.graph_module.graph.nodes]
+
+
+@pytest.mark.parametrize("fn, target", [
+    (lambda x: x.sort(-1), aten.sort.default),
+    (lambda x: x.argsort(-1, descending=True), aten.argsort.default),
+    (lambda x: x.argsort(stable=True, dim=-1), aten.argsort.stable),
+    (lambda x: x.topk(3, -1), aten.topk.default),
+    (lambda x: x.cumsum(-1), aten.cumsum.default),
+])
+def test_ops_along_one_dim_carry_a_shard_of_any_other_dim(fn, target):
+    """A per-head block map sorted, ranked, cut to its top blocks or accumulated along its last dim (Kandinsky 6 SR's
+    NABLA mask): heads split, each rank orders its heads' rows; along the op's own dim it spans the ranks."""
+    node, (x,) = _node(fn, torch.randn(1, 4, 6, 6), target=target)
+    decision = _decide(node, {x: Shard(1)})
+    outputs = decision.output if isinstance(decision.output, tuple) else (decision.output,)
+    assert all(p == Shard(1) for p in outputs) and decision.inputs[x] == Shard(1), decision
+    with pytest.raises(Unshardable, match="along the sharded dim 3"):
+        _decide(node, {x: Shard(3)})

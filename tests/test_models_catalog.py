@@ -38,16 +38,18 @@ def test_every_transformer_class_of_the_installed_diffusers_gets_a_row_even_one_
 
 
 class _FlexBlock(nn.Module):
-    """Attention as flex_attention: counted, left whole (its score_mod reads global head indices)."""
+    """Grouped-query attention as flex_attention: counted, left whole under both layouts (flex_attention is split
+    by heads only without groups, and not along rows)."""
 
     def __init__(self):
         super().__init__()
-        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.qkv, self.out = nn.Linear(32, 64), nn.Linear(32, 32)
 
     def forward(self, x):
         b, n, _ = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        y = flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + h)
+        q, kv = self.qkv(x).split([32, 32], -1)
+        q, (k, v) = q.view(b, n, 4, 8).transpose(1, 2), kv.view(b, n, 2, 2, 8).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + h, enable_gqa=True)
         return self.out(y.transpose(1, 2).reshape(b, n, 32))
 
 

@@ -8,7 +8,8 @@ heads, a control input adding hints into the block, text given as a list of tens
 branches on a float input (a guard) or an integer one (traced for its values), text rows reordered by their mask
 before the joint attention, a causal or block-causal (by frame) mask over the joint rows, and a second modality
 (audio rows) the image rows attend to, the attention written out by hand (scale, soft cap, mask, softmax) or as
-``flex_attention`` (left whole, by name), and a tensor taken through ``**kwargs``. Four gloo ranks stay alive
+``flex_attention`` (split by heads under tp, its score reading the global head index; left whole by name under
+ulysses), and a tensor taken through ``**kwargs``. Four gloo ranks stay alive
 across examples (``RankPool``).
 Tolerance: float32 with sums reordered by sharding, 1e-5 relative to the output's magnitude (test_tp_numerics).
 """
@@ -109,9 +110,9 @@ class TinyDiT(nn.Module):
 
     def _attend(self, q, k, v, masked: dict):
         """SDPA; written out by hand (a scale, a soft cap, the mask, softmax, as transformers' eager attention);
-        or flex_attention (counted, left whole)."""
+        or flex_attention with a temperature per head (a shift per head would cancel in the softmax)."""
         if self.attention == "flex" and not masked:
-            return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + 0.1 * h)
+            return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score * (1 + 0.1 * h))
         if self.attention != "written":
             return F.scaled_dot_product_attention(q, k, v, **masked)
         scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 4.0) * 4.0

@@ -7,6 +7,8 @@ Guarantees:
 - every op that names sizes (view, reshape, unflatten, expand, new_zeros, full) names this rank's sizes, a grouped
   convolution this rank's groups, and views are reshapes
   (the trace's strides do not hold once collectives lay values out);
+- a flex_attention whose heads (or batch) are split reads global indices: its score_mod and mask_mod get this
+  rank's first head (batch) added to the index they read;
 - ``meta["val"]`` holds this rank's shapes, recomputed by fake-tensor propagation, and agrees with every node's
   placement: a dim sharded over an axis of size n is 1/n of the global dim (checked). ``annotation.global_shape``
   keeps the global one.
@@ -14,12 +16,15 @@ Guarantees:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 
 from ..errors import InvariantError
-from ..placement import PackedShard, is_sharded, local_shape, shard_slices
+from ..placement import PackedShard, is_sharded, local_shape, shard_slices, split_order
+from ..rules.attention import FLEX_ATTENTION, FLEX_MASK_INDEX, FLEX_SCORE_INDEX
 from ..rules.conv import GROUPS_ARGUMENT, groups_of
 from ..rules.pointwise import SIZE_ARGUMENT
 from ..rules.spatial import NEAREST
@@ -127,6 +132,51 @@ def _localize_block_slice(node: Node, mesh) -> None:
     node.args = (*node.args[:dim_arg], dim, sum(local[:first]), sum(local[:last]))
 
 
+def _first_index(node: Node, dim: int, mesh) -> int:
+    """The global index of this rank's first element along ``dim`` of ``node``'s first output, under its
+    placements (axes in split order, each splitting what the ones before it left)."""
+    placements = {axis: p[0] if isinstance(p, tuple) else p for axis, p in annotation(node).placements.items()}
+    size, first = annotation(node).global_shape[0][dim], 0
+    for axis in split_order(placements, mesh):
+        placement = placements.get(axis)
+        if is_sharded(placement) and placement.dim == dim:
+            (start, end), = shard_slices(placement, size, mesh.size(axis), mesh.coordinate(axis))
+            first, size = first + start, end - start
+    return first
+
+
+def _shifted(module: GraphModule, shifts: dict[int, int]) -> GraphModule:
+    """A copy of a score_mod / mask_mod graph whose index arguments (placeholder position -> shift) are shifted."""
+    shifted = GraphModule(module, copy.deepcopy(module.graph))
+    placeholders = [n for n in shifted.graph.nodes if n.op == "placeholder"]
+    for position, shift in shifts.items():
+        index = placeholders[position]
+        with shifted.graph.inserting_after(placeholders[-1]):
+            moved = shifted.graph.call_function(aten.add.Tensor, (index, shift))
+        index.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+    shifted.recompile()
+    return shifted
+
+
+def _globalize_flex_indices(gm: GraphModule, node: Node, mesh) -> None:
+    """flex_attention's score_mod and mask_mod number heads and batch globally; on this rank's shard of them
+    they count from this rank's first head (batch) on."""
+    firsts = {dim: _first_index(node, dim, mesh) for dim in (0, 1)}
+    block_mask = node.args[4]
+    replaced = []
+    for graph_node, positions in ((node.args[3], FLEX_SCORE_INDEX), (block_mask[-1], FLEX_MASK_INDEX)):
+        shifts = {positions[dim]: first for dim, first in firsts.items() if first}
+        if not shifts:
+            replaced.append(graph_node)
+            continue
+        name = f"{graph_node.target}_from_{'_'.join(str(firsts[d]) for d in (0, 1))}"
+        if not hasattr(gm, name):
+            gm.add_submodule(name, _shifted(getattr(gm, graph_node.target), shifts))
+        with gm.graph.inserting_before(node):
+            replaced.append(gm.graph.get_attr(name))
+    node.args = (*node.args[:3], replaced[0], (*block_mask[:-1], replaced[1]), *node.args[5:])
+
+
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
     mesh = ctx.mesh
     for node in gm.graph.nodes:
@@ -136,9 +186,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         sharded = {axis: p for axis, p in annotation(node).placements.items() if is_sharded(p)}
         if sharded and graph_input.is_model_tensor:
             ctx.slice_specs[graph_input.target] = sharded
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.op == "call_function":
             _localize_sizes(node, mesh)
+        if node.target is FLEX_ATTENTION:
+            _globalize_flex_indices(gm, node, mesh)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:

@@ -30,6 +30,7 @@ How the plan is found:
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 
 import torch
@@ -293,12 +294,25 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
         ctx.sequence_seeds[axis] = tuple(SequenceSeed(keys[node], seeds[node]) for node in gm.graph.nodes
                                          if node in seeds)
     _record_attentions(attentions, decisions, refused, ctx, axis, stopped)
+    _exchange_at_getitems(decisions)
     for node in gm.graph.nodes:
         annotation(node).placements[axis] = decisions[node].output
         annotation(node).required[axis] = decisions[node].inputs
     ctx.sequence_sharded_at = sorted(n.name for n, _ in seeds.items() if decisions[n].output == R)
     if ctx.mesh.size(axis) > 1 and not any(any_sharded(d.output) for d in decisions.values()):
         ctx.sequence_idle.append(axis)
+
+
+def _exchange_at_getitems(decisions: dict) -> None:
+    """A multi-output op whose consumers see its outputs placed otherwise than it computes them (flex_attention
+    under Ulysses: computed by heads, handed on by rows): each getitem takes its element as computed and hands it
+    on as seen, so the exchange back sits on the getitem's edges (an edge carries one tensor)."""
+    for node, decision in decisions.items():
+        if node.op == "call_function" and node.target is operator.getitem:
+            made = decisions[node.args[0]]
+            if isinstance(made.output, tuple) and made.visible is not None and made.visible != made.output:
+                decision.inputs[node.args[0]] = made.output
+                decision.output = made.output[node.args[1]]
 
 
 def _given_seeds(gm: GraphModule, given: tuple[SequenceSeed, ...], axis: str) -> dict[Node, int]:
@@ -329,13 +343,15 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         where = info.module if info is not None else module_path(node) or node.name
         decision = decisions[node]
         q, k, _ = attention_operands(node)
+        # (flex_attention computes a tuple: its output, then its logsumexp)
+        output = decision.output[0] if isinstance(decision.output, tuple) else decision.output
         if (shape_of(q) or (1, 1))[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
             found[where] = AttentionSequence(SequenceKind.SINGLE_QUERY)
-        elif decision.output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
+        elif output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
             found[where] = AttentionSequence(SequenceKind.ULYSSES)
-        elif getattr(decision.output, "dim", None) == 2 and any_sharded(decision.inputs.get(k, R)):
+        elif getattr(output, "dim", None) == 2 and any_sharded(decision.inputs.get(k, R)):
             found[where] = AttentionSequence(SequenceKind.RING)
-        elif getattr(decision.output, "dim", None) == 2:  # this rank's query rows over whole keys, values
+        elif getattr(output, "dim", None) == 2:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
         elif node in refused:
             found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node].detail, refused[node].where)

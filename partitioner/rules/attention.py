@@ -17,15 +17,89 @@ aten = torch.ops.aten
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 
 
+# the index arguments of flex_attention's score_mod (score, b, h, q_idx, kv_idx, *buffers) and of its block mask's
+# mask_mod (b, h, q_idx, kv_idx, *buffers), by the dim of q, k and v they count along
+FLEX_SCORE_INDEX, FLEX_MASK_INDEX = {0: 1, 1: 2}, {0: 0, 1: 1}
+
+
+def _flex_parts(node: Node):
+    """(score_mod graph, mask_mod graph, the block mask's tensors, the other buffers) of a flex_attention node, as
+    torch.export records it: ``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers, mask_mod_buffers)``, the block mask a tuple of lengths, tensors and block sizes ending in
+    its mask_mod."""
+    module = node.graph.owning_module
+    block_mask = node.args[4]
+    score_mod, mask_mod = (getattr(module, graph.target) for graph in (node.args[3], block_mask[-1]))
+    tensors = [n for n in block_mask[:-1] if isinstance(n, Node)]
+    buffers = [n for n in node.all_input_nodes if n not in (*node.args[:3], *tensors)]
+    return score_mod, mask_mod, tensors, buffers
+
+
 @register(FLEX_ATTENTION)
 def flex_attention(node: Node, placements, axis_size: int) -> Decision:
-    """``flex_attention`` runs whole: its ``score_mod`` and block mask are functions of the global batch, head,
-    query and key indices, which a rank's shard of heads or rows would shift (they would need the shard's offset);
-    it is counted as an attention, and left whole by name (the planner warns)."""
-    if sharded_inputs(node, placements):
-        raise Unshardable("flex_attention is not split: its score_mod and block mask read global head, query and key "
-                          "indices, which a shard would shift; it runs whole on every rank")
-    return replicate_all(node, placements)
+    """``flex_attention`` on (batch, heads, seq, head_dim), like scaled_dot_product_attention: heads (or batch)
+    may be sharded. Its ``score_mod`` and its block mask's ``mask_mod`` see global indices: a rank's program adds
+    its first head (batch) to the index they read (``localize``); the block mask's tensors are sliced with the
+    heads they name, or taken whole where they broadcast over them. Its query and key indices are global: the
+    sequence stays whole (a Ulysses exchange is not offered for it yet)."""
+    q, k, v = node.args[:3]
+    sharded = sharded_inputs(node, placements)
+    if not sharded:
+        return replicate_all(node, placements)
+    _, _, mask_tensors, buffers = _flex_parts(node)
+    if set(sharded) & set(buffers):
+        raise Unshardable("flex_attention with a score_mod buffer sharded: its buffers are taken whole")
+    # (a block mask computed from q and k per head, NABLA's, arrives split by heads as they are)
+    dims = {p.dim for p in sharded.values()}
+    if len(dims) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
+        raise Unshardable("query, key, value and block mask are sharded differently")
+    dim = dims.pop()
+    if dim not in (0, 1):
+        raise Unshardable(f"flex_attention is not split along dim {dim}: its score_mod and block mask read global "
+                          "query and key indices, which a shard of rows would shift")
+    if dim == 1 and shape_of(k)[1] != shape_of(q)[1]:
+        raise Unshardable("grouped-query flex_attention (fewer key/value heads) is not sharded by heads yet")
+    inputs = {n: Shard(dim) for n in (q, k, v)}
+    inputs.update({n: R if shape_of(n)[dim] == 1 else Shard(dim) for n in mask_tensors})
+    inputs.update({n: R for n in buffers})
+    # (output, logsumexp[, max]): each (batch, heads, ...)
+    return Decision(tuple(Shard(dim) for _ in node.meta["val"]), inputs)
+
+
+@register_factory(FLEX_ATTENTION, axis="sequence")
+def make_sequence_flex_attention(roles, axis: str) -> Callable:
+    def sequence_flex_attention(node: Node, placements, axis_size: int) -> Decision:
+        """Ulysses for flex_attention: q, k and v sharded alike along their rows, in sequence order, are exchanged
+        to be sharded along heads, and the attention runs over whole sequences (its query and key indices global,
+        its head index made global by ``localize``); the output and logsumexp go back to the rows. A joint
+        sequence packed from parts arrives in rank order, which the indices its score_mod and block mask read
+        would not follow: refused, as are a ring (no ring form of flex_attention) and key/value groups."""
+        q, k, v = node.args[:3]
+        sharded = sharded_inputs(node, placements)
+        if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
+            return flex_attention(node, placements, axis_size)
+        info = annotation(node).heads
+        where = info.module if info is not None else node.name
+        if axis in RING_AXES:
+            raise Unshardable("flex_attention has no ring form here: it runs whole over the sequence", where)
+        rows = {placements.get(n, R) for n in (q, k, v)}
+        if len(rows) != 1 or any(isinstance(p, PackedShard) for p in rows) or set(sharded) - {q, k, v}:
+            raise Unshardable("flex_attention's query, key and value rows reach it sharded differently or packed "
+                              f"from parts ({[str(placements.get(n, R)) for n in (q, k, v)]}): its score_mod and "
+                              "block mask read query and key indices, which need each sequence whole and in order",
+                              where)
+        heads = shape_of(q)[1]
+        if shape_of(k)[1] != heads:
+            raise Unshardable("grouped-query flex_attention (fewer key/value heads) is not exchanged yet", where)
+        if heads < axis_size:
+            raise Unshardable(f"{heads} attention heads cannot be spread over a {axis} degree of {axis_size}", where)
+        _, _, mask_tensors, buffers = _flex_parts(node)
+        inputs = {n: Shard(1) for n in (q, k, v)}
+        inputs.update({n: R if shape_of(n)[1] == 1 else Shard(1) for n in mask_tensors})
+        inputs.update({n: R for n in buffers})
+        outputs, (seen,) = node.meta["val"], rows  # (output, logsumexp[, max]): each (batch, heads, rows, ...)
+        return Decision(tuple(Shard(1) for _ in outputs), inputs, visible=tuple(seen for _ in outputs))
+    return sequence_flex_attention
 
 
 @register(aten.scaled_dot_product_attention.default)

@@ -1,4 +1,4 @@
-"""Reductions and norms: fine along any dim but the sharded one."""
+"""Reductions, norms and ops along one dim (sort, topk, cumsum): fine along any dim but the one they work along."""
 
 from __future__ import annotations
 
@@ -54,6 +54,31 @@ def softmax(node: Node, placements, axis_size: int) -> Decision:
     decision = same_as_input(node, placements, source)
     if is_sharded(placement) and placement.dim == norm_dim(node.args[1], len(shape_of(source))):
         raise Unshardable(f"{node.target.__name__} normalises over the sharded dim {placement.dim}")
+    return decision
+
+
+# ops that order, select or accumulate along one dim, each slice along it on its own: (op, where its dim is given
+# (position, keyword), the dim when not given)
+_ALONG_ONE_DIM = {aten.sort.default: (1, -1), aten.sort.stable: (None, -1), aten.argsort.default: (1, -1),
+                  aten.argsort.stable: (None, -1), aten.topk.default: (2, -1), aten.cumsum.default: (1, None),
+                  aten.cumprod.default: (1, None)}
+
+
+@register(*_ALONG_ONE_DIM)
+def along_one_dim(node: Node, placements, axis_size: int) -> Decision:
+    """sort / argsort / topk / cumsum / cumprod along one dim: every slice along it ordered (selected, summed) on
+    its own, so a shard along any other dim is carried, values and indices alike (the indices count along the
+    whole dim); sharded along that dim it is refused (an order or a prefix spans the ranks)."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    decision = same_as_input(node, placements, source)
+    position, default = _ALONG_ONE_DIM[node.target]
+    dim = node.args[position] if position is not None and len(node.args) > position else \
+        node.kwargs.get("dim", default)
+    if is_sharded(placement) and placement.dim == norm_dim(dim, len(shape_of(source))):
+        raise Unshardable(f"{node.target.__name__} runs along the sharded dim {placement.dim}")
+    if isinstance(node.meta.get("val"), (tuple, list)):  # (values, indices)
+        return Decision(tuple(decision.output for _ in node.meta["val"]), decision.inputs)
     return decision
 
 

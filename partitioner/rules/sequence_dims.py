@@ -171,9 +171,12 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     _reach(operands, carries, found)
     # forward: from each attention's output to what it computes
     for attention in attentions:
-        if isinstance(attention.meta.get("val"), torch.Tensor):  # (flex_attention returns a tuple: left whole)
-            record(attention, 2)
-            queue.append((attention, 2))
+        # (flex_attention returns a tuple: output and logsumexp, both with rows along dim 2)
+        outputs = [attention] if isinstance(attention.meta.get("val"), torch.Tensor) else \
+            [getter for getter in attention.users if _is_getitem(getter)]
+        for output in outputs:
+            record(output, 2)
+            queue.append((output, 2))
     visited = set()
     while queue:
         node, dim = queue.popleft()
