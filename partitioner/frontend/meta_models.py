@@ -1,6 +1,6 @@
 """Tracing a model built on the meta device (to be filled by ``load_weights``): its example inputs go to meta, the
-buffers ``init_empty_weights`` keeps real are traced as meta and kept, and autocast asked for on "meta" is traced
-as CPU autocast."""
+buffers ``init_empty_weights`` keeps real are traced as meta and kept, autocast asked for on "meta" is traced
+as CPU autocast, and flex_attention's device check lets meta inputs through."""
 
 from __future__ import annotations
 
@@ -28,6 +28,27 @@ def autocast_on_meta(model: torch.nn.Module):
         yield
     finally:
         torch.autocast = original
+
+
+@contextlib.contextmanager
+def flex_attention_on_meta(model: torch.nn.Module):
+    """flex_attention refuses meta inputs before it records its op (a check of the devices it has kernels for); the
+    trace needs only shapes, and the partition runs the recorded op on the real device, where the check holds."""
+    from torch.nn.attention import flex_attention
+
+    check = getattr(flex_attention, "_validate_device", None)
+    if check is None or not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+
+    def on_meta_too(query, key, value):
+        if query.device.type != "meta":
+            check(query, key, value)
+    flex_attention._validate_device = on_meta_too
+    try:
+        yield
+    finally:
+        flex_attention._validate_device = check
 
 
 def inputs_on_meta(model: torch.nn.Module, named: dict) -> dict:

@@ -23,7 +23,7 @@ from ..errors import TraceError, our_step
 from ..kinds import InputKind as GraphInputKind
 from ..source import source_line
 from ..tensor_parts import is_wrapped, plain_parts
-from .meta_models import autocast_on_meta, buffers_on_meta, inputs_on_meta, real_buffers_of
+from .meta_models import autocast_on_meta, buffers_on_meta, flex_attention_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
 from .side_effects import attributes_kept
 from .value_guards import Guards, ValueRead
@@ -476,8 +476,8 @@ def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, t
         contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
-        with attributes_kept(model), replaced, autocast_on_meta(model), buffers_on_meta(model, real_buffers), \
-                torch.no_grad():
+        with attributes_kept(model), replaced, autocast_on_meta(model), flex_attention_on_meta(model), \
+                buffers_on_meta(model, real_buffers), torch.no_grad():
             return torch.export.export(model, (), kwargs=named), shadow
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -11,7 +11,9 @@ Guarantees:
   statistics combined across the ranks); interpolating upsampling over split rows is
   ``collectives.halo_interpolation``;
 - an attention whose query or key rows came through a packed exchange (a joint sequence, delivered rank by rank)
-  reads its mask in that order too, and its values (or keys) that did not come through one in that order.
+  reads its mask in that order too, and its values (or keys) that did not come through one in that order; a
+  flex_attention reads such rows put back in sequence order (its score_mod and block mask index them) and hands
+  its output on in the queries' rank order.
 
 New nodes carry ``annotation.collective = (kind, axis)``.
 """
@@ -26,7 +28,7 @@ from ..kinds import CollectiveKind
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
 from ..rules import PartitionError
-from ..rules.attention import RING_AXES
+from ..rules.attention import FLEX_ATTENTION, RING_AXES
 from ..rules.conv import (GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, pad_mode,
                           padding_pairs)
 from ..rules.spatial import INTERPOLATING
@@ -42,6 +44,7 @@ R = Replicate()
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    _flex_in_sequence_order(gm, ctx)
     _values_in_rank_order(gm, ctx)
     _masks_in_rank_order(gm, ctx)
     _ring_attentions(gm, ctx)
@@ -71,16 +74,55 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
 def _rank_order(graph, mask: Node, dim: int, blocks: tuple[int, ...], ranks: int, attention: Node) -> Node:
     """``mask`` with its ``dim`` reordered as a packed exchange delivers rows: rank by rank, each rank's part of
     every block in turn."""
-    pieces, val = [], mask.meta["val"]
-    with graph.inserting_before(attention):
-        for start, end in delivery_order(PackedShard(dim, blocks), sum(blocks), ranks):
-            piece = graph.call_function(aten.slice.Tensor, (mask, dim, start, end))
-            _like(piece, mask, val.narrow(dim, start, end - start))
-            pieces.append(piece)
+    return _reordered(graph, mask, dim, delivery_order(PackedShard(dim, blocks), sum(blocks), ranks), attention)
+
+
+def _sequence_order(graph, rows: Node, dim: int, blocks: tuple[int, ...], ranks: int, attention: Node) -> Node:
+    """``rows`` delivered by a packed exchange (rank by rank) put back in sequence order along ``dim``."""
+    delivered, at = [], 0
+    for start, end in delivery_order(PackedShard(dim, blocks), sum(blocks), ranks):
+        delivered.append((start, at, end - start))
+        at += end - start
+    return _reordered(graph, rows, dim, [(at, at + length) for _, at, length in sorted(delivered)], attention)
+
+
+def _reordered(graph, value: Node, dim: int, ranges: list[tuple[int, int]], before: Node) -> Node:
+    """``value``'s ``[start, end)`` ranges along ``dim``, joined in the order given, inserted before ``before``."""
+    pieces, val = [], value.meta["val"]
+    with graph.inserting_before(before):
+        for start, end in ranges:
+            if end > start:
+                piece = graph.call_function(aten.slice.Tensor, (value, dim, start, end))
+                _like(piece, value, val.narrow(dim, start, end - start))
+                pieces.append(piece)
         joined = graph.call_function(aten.cat.default, (pieces, dim))
     with val.fake_mode:
-        _like(joined, mask, torch.cat([p.meta["val"] for p in pieces], dim))
+        _like(joined, value, torch.cat([p.meta["val"] for p in pieces], dim))
     return joined
+
+
+def _flex_in_sequence_order(gm: GraphModule, ctx: PassContext) -> None:
+    """A flex_attention whose rows came through a packed exchange (a joint sequence, rank by rank) reads them in
+    sequence order, as its score_mod and block mask index them, and hands its output on in the queries' rank
+    order, as the exchange back expects (scaled_dot_product_attention, blind to the order, needs neither)."""
+    for node in [n for n in gm.graph.nodes if n.target is FLEX_ATTENTION]:
+        queries = annotation(node.args[0]).rank_order
+        for value in dict.fromkeys(node.args[:3]):
+            if annotation(value).rank_order is not None:
+                axis, blocks = annotation(value).rank_order
+                ordered = _sequence_order(gm.graph, value, 2, blocks, ctx.mesh.size(axis), node)
+                node.replace_input_with(value, ordered)
+                rekey(node, value, ordered)
+        if queries is None:
+            continue
+        axis, blocks = queries
+        for output in [user for user in node.users if user.users]:  # (its getitems: output, logsumexp)
+            users = list(output.users)
+            ordered = _rank_order(gm.graph, output, 2, blocks, ctx.mesh.size(axis), output.next)
+            annotation(ordered).rank_order = queries
+            for user in users:
+                user.replace_input_with(output, ordered)
+                rekey(user, output, ordered)
 
 
 def _like(node: Node, mask: Node, val) -> None:

@@ -23,6 +23,7 @@ New nodes carry ``annotation.collective = (kind, axis)`` when they communicate.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
@@ -32,6 +33,7 @@ from ..kinds import CollectiveKind
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
+from ..rules.attention import FLEX_ATTENTION
 from ..rules.pointwise import METADATA_ARGUMENTS
 from ..source import source_line
 from ..runtime import collectives, low_precision
@@ -94,6 +96,17 @@ def _move_bias_after(linear: Node, reduced: Node, axis: str, placement=R) -> Nod
         added = graph.call_function(aten.add.Tensor, (reduced, bias))
     sliced = Shard(0) if _splits_features(linear, placement) else R
     return _annotate(added, linear, axis, placement, {reduced: placement, bias: sliced})
+
+
+def attention_rows(output: Node) -> Node | None:
+    """The queries whose rows an attention's output comes in, where ``output`` is one: scaled_dot_product_attention,
+    or an element of flex_attention's (output, logsumexp) (``collective_kernels`` hands it on in the queries'
+    order)."""
+    if output.target is _ATTENTION:
+        return output.args[0]
+    if output.target is operator.getitem and getattr(output.args[0], "target", None) is FLEX_ATTENTION:
+        return output.args[0].args[0]
+    return None
 
 
 def rekey(user: Node, old: Node, new: Node) -> None:
@@ -218,8 +231,8 @@ def _all_to_all(producer: Node, current, required, axis: str, ctx: PassContext, 
     into or out of an attention: the gathered rows come in rank order, a permutation of the sequence that attention
     does not see (keys and values permuted alike, checked by its rule), and the exchange back inverts it."""
     packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
-    around_attention = (consumer.target is _ATTENTION and producer in consumer.args[:3]) or \
-        producer.target is _ATTENTION
+    around_attention = (consumer.target in (_ATTENTION, FLEX_ATTENTION) and producer in consumer.args[:3]) or \
+        attention_rows(producer) is not None
     if packed and (not around_attention or current.dim == required.dim):
         return _gathered_then_narrowed(producer, current, required, axis, ctx)
     dims = (required.dim, current.dim, axis_sizes(producer, required, axis, ctx),
@@ -288,7 +301,7 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
 
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
-    order = annotation(producer.args[0]).rank_order if producer.target is _ATTENTION else None
+    order = annotation(attention_rows(producer)).rank_order if attention_rows(producer) is not None else None
     if order is not None and order[0] == axis and required == R and is_sharded(current) and current.dim != 2:
         return _gather_in_packed_order(producer, current, order[1], axis, ctx)
     if order is not None and order[0] == axis and required != PackedShard(2, order[1]):
@@ -450,7 +463,7 @@ def _redistribute_axis(gm: GraphModule, ctx: PassContext, axis: str, kind: str) 
                     continue
             # a packed exchange is exact only for the attention it feeds: never shared with another consumer
             packed = isinstance(current, PackedShard) or isinstance(required, PackedShard)
-            key = (producer, repr(required), node if packed and producer.target is not _ATTENTION else None)
+            key = (producer, repr(required), node if packed and attention_rows(producer) is None else None)
             if key not in redistributed:
                 redistributed[key] = _redistribute(producer, current, required, axis, ctx, node)
             node.replace_input_with(producer, redistributed[key])

@@ -32,7 +32,7 @@ from ..rules.views import block_range
 from ..runtime import collectives
 from .context import PassContext
 from .regions import propagate_fake_values
-from ..annotations import annotation
+from ..annotations import annotation, copied_meta
 
 aten = torch.ops.aten
 _SIZED_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -173,8 +173,38 @@ def _globalize_flex_indices(gm: GraphModule, node: Node, mesh) -> None:
         if not hasattr(gm, name):
             gm.add_submodule(name, _shifted(getattr(gm, graph_node.target), shifts))
         with gm.graph.inserting_before(node):
-            replaced.append(gm.graph.get_attr(name))
+            shifted = gm.graph.get_attr(name)
+        annotation(shifted).placements = dict(annotation(graph_node).placements)
+        for requirements in annotation(node).required.values():  # (read whole, as the subgraph it replaces)
+            if graph_node in requirements:
+                requirements[shifted] = requirements.pop(graph_node)
+        replaced.append(shifted)
     node.args = (*node.args[:3], replaced[0], (*block_mask[:-1], replaced[1]), *node.args[5:])
+
+
+def _flex_without_work(gm: GraphModule, node: Node, mesh) -> bool:
+    """A rank left without heads (more Ulysses ranks than a tp rank's heads: TP=8 x Ulysses=8 over 56 heads) or
+    without batch rows has nothing to attend: flex_attention, which divides by the head count, is not run, and its
+    outputs are empty tensors of this rank's shape (the exchanges around it still take part)."""
+    queries = node.args[0]
+    if all(_expected_local(queries, mesh)[:2]):
+        return False
+    for output in list(node.users):
+        with gm.graph.inserting_before(output):
+            empty = gm.graph.call_function(aten.new_zeros.default, (queries, _expected_local(output, mesh)),
+                                           {"dtype": output.meta["val"].dtype})
+        empty.meta = copied_meta(output)
+        annotation(empty).required = {axis: {queries: annotation(queries).placements[axis]}
+                                      for axis in annotation(output).required}
+        for user in list(output.users):  # (their requirements follow the value they now read)
+            for requirements in annotation(user).required.values():
+                if output in requirements:
+                    requirements[empty] = requirements.pop(output)
+        output.replace_all_uses_with(empty)
+        gm.graph.erase_node(output)
+        empty.name = output.name  # (ranks compare their collectives by the names of the values they move)
+    gm.graph.erase_node(node)
+    return True
 
 
 def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -186,10 +216,11 @@ def run(gm: GraphModule, ctx: PassContext) -> GraphModule:
         sharded = {axis: p for axis, p in annotation(node).placements.items() if is_sharded(p)}
         if sharded and graph_input.is_model_tensor:
             ctx.slice_specs[graph_input.target] = sharded
-    for node in list(gm.graph.nodes):
+    for node in gm.graph.nodes:
         if node.op == "call_function":
             _localize_sizes(node, mesh)
-        if node.target is FLEX_ATTENTION:
+    for node in [n for n in gm.graph.nodes if n.target is FLEX_ATTENTION]:
+        if not _flex_without_work(gm, node, mesh):
             _globalize_flex_indices(gm, node, mesh)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -42,6 +42,7 @@ from ..placement import InnerShard, Partial, Replicate, Shard, any_sharded, is_s
 from ..planning.cost import collective_s, load_profile, node_compute_s
 from ..planning.report import nbytes
 from ..rules import Decision, Unshardable, rule_for, shape_of
+from ..rules.attention import FLEX_ATTENTION
 from ..rules.propagate import sweep
 from ..rules.sequence_dims import find_sequence_dims
 from . import plan_sharding
@@ -119,7 +120,7 @@ def _propagate(gm: GraphModule, sharded: set[Node], seeds: dict[Node, int], degr
     def rule_of(node: Node):
         if node in sharded:
             return keep_plan
-        if node.target is _ATTENTION:
+        if node.target in (_ATTENTION, FLEX_ATTENTION):
             return whole_attention
         return row_local(node)
 

@@ -30,7 +30,10 @@ def _flex_parts(node: Node):
     module = node.graph.owning_module
     block_mask = node.args[4]
     score_mod, mask_mod = (getattr(module, graph.target) for graph in (node.args[3], block_mask[-1]))
-    tensors = [n for n in block_mask[:-1] if isinstance(n, Node)]
+    # (q_len, kv_len, then kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+    # full_q_num_blocks, full_q_indices: each (batch, heads, ...), or None; what follows is block sizes and, in
+    # newer torch, orders for the backward pass, taken whole with the buffers)
+    tensors = [n for n in block_mask[2:10] if isinstance(n, Node)]
     buffers = [n for n in node.all_input_nodes if n not in (*node.args[:3], *tensors)]
     return score_mod, mask_mod, tensors, buffers
 
@@ -40,8 +43,8 @@ def flex_attention(node: Node, placements, axis_size: int) -> Decision:
     """``flex_attention`` on (batch, heads, seq, head_dim), like scaled_dot_product_attention: heads (or batch)
     may be sharded. Its ``score_mod`` and its block mask's ``mask_mod`` see global indices: a rank's program adds
     its first head (batch) to the index they read (``localize``); the block mask's tensors are sliced with the
-    heads they name, or taken whole where they broadcast over them. Its query and key indices are global: the
-    sequence stays whole (a Ulysses exchange is not offered for it yet)."""
+    heads they name, or taken whole where they broadcast over them. Its query and key indices are global: its
+    rows are never split here (a sequence axis exchanges them to heads, ``make_sequence_flex_attention``)."""
     q, k, v = node.args[:3]
     sharded = sharded_inputs(node, placements)
     if not sharded:
@@ -69,11 +72,12 @@ def flex_attention(node: Node, placements, axis_size: int) -> Decision:
 @register_factory(FLEX_ATTENTION, axis="sequence")
 def make_sequence_flex_attention(roles, axis: str) -> Callable:
     def sequence_flex_attention(node: Node, placements, axis_size: int) -> Decision:
-        """Ulysses for flex_attention: q, k and v sharded alike along their rows, in sequence order, are exchanged
-        to be sharded along heads, and the attention runs over whole sequences (its query and key indices global,
-        its head index made global by ``localize``); the output and logsumexp go back to the rows. A joint
-        sequence packed from parts arrives in rank order, which the indices its score_mod and block mask read
-        would not follow: refused, as are a ring (no ring form of flex_attention) and key/value groups."""
+        """Ulysses for flex_attention: q, k and v sharded along their rows are exchanged to be sharded along
+        heads, and the attention runs over whole sequences (its query and key indices global, its head index made
+        global by ``localize``); the output and logsumexp go back to the queries' rows. Rows packed from parts (a
+        joint sequence) arrive in rank order and are put back in sequence order for it (``collective_kernels``):
+        its score_mod and block mask read the indices. Refused: a ring (no ring form of flex_attention), rows
+        split on one side only, key/value groups."""
         q, k, v = node.args[:3]
         sharded = sharded_inputs(node, placements)
         if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
@@ -81,13 +85,10 @@ def make_sequence_flex_attention(roles, axis: str) -> Callable:
         info = annotation(node).heads
         where = info.module if info is not None else node.name
         if axis in RING_AXES:
-            raise Unshardable("flex_attention has no ring form here: it runs whole over the sequence", where)
-        rows = {placements.get(n, R) for n in (q, k, v)}
-        if len(rows) != 1 or any(isinstance(p, PackedShard) for p in rows) or set(sharded) - {q, k, v}:
-            raise Unshardable("flex_attention's query, key and value rows reach it sharded differently or packed "
-                              f"from parts ({[str(placements.get(n, R)) for n in (q, k, v)]}): its score_mod and "
-                              "block mask read query and key indices, which need each sequence whole and in order",
-                              where)
+            raise Unshardable("no ring form of flex_attention here: it runs whole over the sequence", where)
+        if set(sharded) - {q, k, v}:
+            raise Unshardable("flex_attention with its block mask split along the rows: it reads the mask whole "
+                              "over both sequences", where)
         heads = shape_of(q)[1]
         if shape_of(k)[1] != heads:
             raise Unshardable("grouped-query flex_attention (fewer key/value heads) is not exchanged yet", where)
@@ -97,7 +98,8 @@ def make_sequence_flex_attention(roles, axis: str) -> Callable:
         inputs = {n: Shard(1) for n in (q, k, v)}
         inputs.update({n: R if shape_of(n)[1] == 1 else Shard(1) for n in mask_tensors})
         inputs.update({n: R for n in buffers})
-        outputs, (seen,) = node.meta["val"], rows  # (output, logsumexp[, max]): each (batch, heads, rows, ...)
+        outputs = node.meta["val"]  # (output, logsumexp[, max]): each (batch, heads, rows, ...)
+        seen = placements.get(q, R)  # (queries whole: the output is gathered by heads)
         return Decision(tuple(Shard(1) for _ in outputs), inputs, visible=tuple(seen for _ in outputs))
     return sequence_flex_attention
 

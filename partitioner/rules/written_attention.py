@@ -164,8 +164,8 @@ def _output(attention: WrittenAttention, placements, axis_size: int) -> Decision
 
 
 def attention_operands(node: Node) -> tuple[Node, Node, Node] | None:
-    """(q, k, v) of an attention: ``scaled_dot_product_attention``, ``flex_attention`` (counted, left whole), or a
-    written-out one ending at ``node``."""
+    """(q, k, v) of an attention: ``scaled_dot_product_attention``, ``flex_attention``, or a written-out one ending
+    at ``node``."""
     if node.op != "call_function":
         return None
     if node.target in (aten.scaled_dot_product_attention.default, FLEX_ATTENTION):
