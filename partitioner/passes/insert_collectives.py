@@ -301,7 +301,8 @@ def _narrow(producer: Node, placement, axis: str, ctx: PassContext) -> Node:
 
 
 def _redistribute(producer: Node, current, required, axis: str, ctx: PassContext, consumer: Node) -> Node:
-    order = annotation(attention_rows(producer)).rank_order if attention_rows(producer) is not None else None
+    queries = attention_rows(producer)
+    order = annotation(queries).rank_order if queries is not None else None
     if order is not None and order[0] == axis and required == R and is_sharded(current) and current.dim != 2:
         return _gather_in_packed_order(producer, current, order[1], axis, ctx)
     if order is not None and order[0] == axis and required != PackedShard(2, order[1]):

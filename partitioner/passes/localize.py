@@ -31,6 +31,7 @@ from ..rules.spatial import NEAREST
 from ..rules.views import block_range
 from ..runtime import collectives
 from .context import PassContext
+from .insert_collectives import rekey
 from .regions import propagate_fake_values
 from ..annotations import annotation, copied_meta
 
@@ -175,9 +176,7 @@ def _globalize_flex_indices(gm: GraphModule, node: Node, mesh) -> None:
         with gm.graph.inserting_before(node):
             shifted = gm.graph.get_attr(name)
         annotation(shifted).placements = dict(annotation(graph_node).placements)
-        for requirements in annotation(node).required.values():  # (read whole, as the subgraph it replaces)
-            if graph_node in requirements:
-                requirements[shifted] = requirements.pop(graph_node)
+        rekey(node, graph_node, shifted)  # (read whole, as the subgraph it replaces)
         replaced.append(shifted)
     node.args = (*node.args[:3], replaced[0], (*block_mask[:-1], replaced[1]), *node.args[5:])
 
@@ -197,9 +196,7 @@ def _flex_without_work(gm: GraphModule, node: Node, mesh) -> bool:
         annotation(empty).required = {axis: {queries: annotation(queries).placements[axis]}
                                       for axis in annotation(output).required}
         for user in list(output.users):  # (their requirements follow the value they now read)
-            for requirements in annotation(user).required.values():
-                if output in requirements:
-                    requirements[empty] = requirements.pop(output)
+            rekey(user, output, empty)
         output.replace_all_uses_with(empty)
         gm.graph.erase_node(output)
         empty.name = output.name  # (ranks compare their collectives by the names of the values they move)

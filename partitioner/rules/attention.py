@@ -22,20 +22,23 @@ FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 FLEX_SCORE_INDEX, FLEX_MASK_INDEX = {0: 1, 1: 2}, {0: 0, 1: 1}
 
 
-def _flex_parts(node: Node):
-    """(score_mod graph, mask_mod graph, the block mask's tensors, the other buffers) of a flex_attention node, as
-    torch.export records it: ``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options,
-    score_mod_buffers, mask_mod_buffers)``, the block mask a tuple of lengths, tensors and block sizes ending in
-    its mask_mod."""
-    module = node.graph.owning_module
-    block_mask = node.args[4]
-    score_mod, mask_mod = (getattr(module, graph.target) for graph in (node.args[3], block_mask[-1]))
-    # (q_len, kv_len, then kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
-    # full_q_num_blocks, full_q_indices: each (batch, heads, ...), or None; what follows is block sizes and, in
-    # newer torch, orders for the backward pass, taken whole with the buffers)
-    tensors = [n for n in block_mask[2:10] if isinstance(n, Node)]
-    buffers = [n for n in node.all_input_nodes if n not in (*node.args[:3], *tensors)]
-    return score_mod, mask_mod, tensors, buffers
+def _block_mask_tensors(node: Node) -> list[Node]:
+    """The block mask's tensors of a flex_attention as torch.export records it: ``flex_attention(q, k, v,
+    score_mod, block_mask, scale, kernel_options, score_mod_buffers, mask_mod_buffers)``, the block mask a tuple of
+    q_len, kv_len, then kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices (each (batch, heads, ...) or None), then block sizes, in newer torch block
+    orders for the backward pass, and its mask_mod."""
+    return [n for n in node.args[4][2:10] if isinstance(n, Node)]
+
+
+def _flex_inputs(node: Node, dim: int) -> dict[Node, object]:
+    """What a flex_attention split along ``dim`` (0: batch, 1: heads) takes: q, k and v split along it, the block
+    mask's tensors split with them or whole where they broadcast over that dim, everything else whole (the
+    score_mod and mask_mod graphs, their buffers, the backward pass's block orders)."""
+    inputs = {n: R for n in node.all_input_nodes}
+    inputs.update({n: R if shape_of(n)[dim] == 1 else Shard(dim) for n in _block_mask_tensors(node)})
+    inputs.update({n: Shard(dim) for n in node.args[:3]})
+    return inputs
 
 
 @register(FLEX_ATTENTION)
@@ -49,10 +52,9 @@ def flex_attention(node: Node, placements, axis_size: int) -> Decision:
     sharded = sharded_inputs(node, placements)
     if not sharded:
         return replicate_all(node, placements)
-    _, _, mask_tensors, buffers = _flex_parts(node)
-    if set(sharded) & set(buffers):
-        raise Unshardable("flex_attention with a score_mod buffer sharded: its buffers are taken whole")
     # (a block mask computed from q and k per head, NABLA's, arrives split by heads as they are)
+    if set(sharded) - {q, k, v, *_block_mask_tensors(node)}:
+        raise Unshardable("flex_attention with a score_mod buffer sharded: its buffers are taken whole")
     dims = {p.dim for p in sharded.values()}
     if len(dims) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
         raise Unshardable("query, key, value and block mask are sharded differently")
@@ -62,22 +64,20 @@ def flex_attention(node: Node, placements, axis_size: int) -> Decision:
                           "query and key indices, which a shard of rows would shift")
     if dim == 1 and shape_of(k)[1] != shape_of(q)[1]:
         raise Unshardable("grouped-query flex_attention (fewer key/value heads) is not sharded by heads yet")
-    inputs = {n: Shard(dim) for n in (q, k, v)}
-    inputs.update({n: R if shape_of(n)[dim] == 1 else Shard(dim) for n in mask_tensors})
-    inputs.update({n: R for n in buffers})
     # (output, logsumexp[, max]): each (batch, heads, ...)
-    return Decision(tuple(Shard(dim) for _ in node.meta["val"]), inputs)
+    return Decision(tuple(Shard(dim) for _ in node.meta["val"]), _flex_inputs(node, dim))
 
 
 @register_factory(FLEX_ATTENTION, axis="sequence")
 def make_sequence_flex_attention(roles, axis: str) -> Callable:
     def sequence_flex_attention(node: Node, placements, axis_size: int) -> Decision:
         """Ulysses for flex_attention: q, k and v sharded along their rows are exchanged to be sharded along
-        heads, and the attention runs over whole sequences (its query and key indices global, its head index made
-        global by ``localize``); the output and logsumexp go back to the queries' rows. Rows packed from parts (a
-        joint sequence) arrive in rank order and are put back in sequence order for it (``collective_kernels``):
-        its score_mod and block mask read the indices. Refused: a ring (no ring form of flex_attention), rows
-        split on one side only, key/value groups."""
+        heads (one left whole, a context every row attends to, is sliced to heads for free), and the attention
+        runs over whole sequences (its query and key indices global, its head index made global by
+        ``localize``); the output and logsumexp go back to the queries' rows. Rows packed from parts (a joint
+        sequence) arrive in rank order and are put back in sequence order for it (``collective_kernels``): its
+        score_mod and block mask read the indices. A rank left without heads computes nothing (``localize``).
+        Refused: a ring (no ring form of flex_attention), a block mask split along the rows, key/value groups."""
         q, k, v = node.args[:3]
         sharded = sharded_inputs(node, placements)
         if not any(n in sharded for n in (q, k, v)) or any(p.dim != 2 for p in sharded.values()):
@@ -94,13 +94,9 @@ def make_sequence_flex_attention(roles, axis: str) -> Callable:
             raise Unshardable("grouped-query flex_attention (fewer key/value heads) is not exchanged yet", where)
         if heads < axis_size:
             raise Unshardable(f"{heads} attention heads cannot be spread over a {axis} degree of {axis_size}", where)
-        _, _, mask_tensors, buffers = _flex_parts(node)
-        inputs = {n: Shard(1) for n in (q, k, v)}
-        inputs.update({n: R if shape_of(n)[1] == 1 else Shard(1) for n in mask_tensors})
-        inputs.update({n: R for n in buffers})
         outputs = node.meta["val"]  # (output, logsumexp[, max]): each (batch, heads, rows, ...)
         seen = placements.get(q, R)  # (queries whole: the output is gathered by heads)
-        return Decision(tuple(Shard(1) for _ in outputs), inputs, visible=tuple(seen for _ in outputs))
+        return Decision(tuple(Shard(1) for _ in outputs), _flex_inputs(node, 1), visible=tuple(seen for _ in outputs))
     return sequence_flex_attention
 
 
