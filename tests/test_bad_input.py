@@ -299,7 +299,15 @@ def test_a_failure_inside_a_pass_names_the_pass_the_node_and_the_model_line(monk
 
 
 class _LayerCache:
-    """A key/value cache object, as GlmImage, SanaWM-LTX2's refiner and WanAnimate 2 take."""
+    """A key/value cache object, as GlmImage, SanaWM-LTX2's refiner and WanAnimate 2 take: its tensors are inputs."""
+
+    def __init__(self):
+        self.keys = [torch.zeros(1, 2, 4)]
+
+
+class _SlottedCache:
+    """One with no attribute dict to flatten (``__slots__``)."""
+    __slots__ = ("keys",)
 
     def __init__(self):
         self.keys = [torch.zeros(1, 2, 4)]
@@ -316,10 +324,12 @@ class _CachedModel(torch.nn.Module):
 
 
 def test_a_state_object_argument_is_named_with_what_to_do():
-    """Was: export's "Unsupported input type" with no argument named. The uncached call partitions."""
+    """Was: export's "Unsupported input type" with no argument named. A plain object's tensors are inputs
+    (tests/test_state_objects.py); one that cannot be flattened is named; the uncached call partitions."""
 
     x = torch.randn(1, 3, 4)
-    with pytest.raises(TraceError, match=r"argument 'kv_cache' is a .*_LayerCache, which torch.export cannot take"
-                                         r".*kv_cache=None"):
-        partition(_CachedModel(), {"tp": 2}, ((), dict(x=x, kv_cache=_LayerCache())))
+    with pytest.raises(TraceError, match=r"argument 'kv_cache' is a .*_SlottedCache, which torch.export cannot "
+                                         r"take.*kv_cache=None"):
+        partition(_CachedModel(), {"tp": 2}, ((), dict(x=x, kv_cache=_SlottedCache())))
+    partition(_CachedModel(), {"tp": 2}, ((), dict(x=x, kv_cache=_LayerCache())))
     partition(_CachedModel(), {"tp": 2}, ((), dict(x=x)))

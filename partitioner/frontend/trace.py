@@ -26,6 +26,7 @@ from ..tensor_parts import is_wrapped, plain_parts
 from .meta_models import autocast_on_meta, buffers_on_meta, flex_attention_on_meta, inputs_on_meta, real_buffers_of
 from .output_types import register_output_types
 from .side_effects import attributes_kept
+from .state_objects import StateWrite, register_state_objects, returning_writes
 from .value_guards import Guards, ValueRead
 from .value_specialization import ValueShadow, forward_replaced, model_line, shadowing_forward, shadowable
 from ..annotations import annotation, copied_meta
@@ -74,6 +75,8 @@ class Traced:
     value_reads: list[ValueRead] = field(default_factory=list)  # where the model read them
     values_specialized: bool = False  # traced with value specialisation (then every retrace is too)
     guards: Guards | None = None  # what it read of float inputs, replayed per call (value_guards)
+    # State objects the forward writes into (a cache it fills): returned after its output, written back per call
+    state_writes: tuple[StateWrite, ...] = ()
 
 
 def argument_name(path: tuple) -> str:
@@ -452,33 +455,43 @@ except ImportError:  # (torch 2.9, torch_xla's: no opaque values)
         return False
 
 
+def _is_plain(leaf) -> bool:
+    return isinstance(leaf, _PLAIN_LEAVES) or is_opaque_value(leaf)
+
+
 def _refuse_state_objects(leaves, owner: str) -> None:
-    """An argument export cannot take (a key/value cache object, anything not a tensor, number, string or pytree
-    container of them) is named, with what to do, before export fails on it without saying which."""
+    """An argument export cannot take (an object ``register_state_objects`` could not take apart, anything not a
+    tensor, number, string or pytree container of them) is named, with what to do, before export fails on it
+    without saying which."""
     for path, leaf in leaves:
-        if isinstance(leaf, _PLAIN_LEAVES) or is_opaque_value(leaf):
+        if _is_plain(leaf):
             continue
         name = argument_name(path[1:])
         raise TraceError(
             f"{owner}: argument {name!r} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which "
             "torch.export cannot take as an input (tensors, numbers, strings and lists, tuples, dicts or registered "
-            f"dataclasses of them only). A cache or other state object: call without it ({name}=None, or "
+            "dataclasses of them only) and partition cannot take apart (an object is, by its attribute dict: this "
+            f"one has none, or is callable). A cache or other state object: call without it ({name}=None, or "
             "use_cache=False where the forward offers it) to partition the uncached forward; or register its type "
             "with torch.utils._pytree.register_pytree_node so that its tensors become inputs")
 
 
 def _export(model: torch.nn.Module, named: dict, owner: str, values: dict[str, torch.Tensor],
-            real_buffers: dict[str, torch.Tensor]):
+            real_buffers: dict[str, torch.Tensor], state_arguments: list[str]):
     """torch.export of ``model(**named)``; with ``values``, specialised on those arguments' values (by name);
-    ``real_buffers`` traced as meta ones. Returns the program and the shadow (where the model read the values)."""
+    ``real_buffers`` traced as meta ones; what the forward writes into ``state_arguments`` returned after its
+    output. Returns the program, the shadow (where the model read the values) and the state writes."""
     shadow = ValueShadow(type(model).__module__.split(".")[0])
-    replaced = forward_replaced(model, shadowing_forward(model, shadow, values, argument_name)) if values else \
-        contextlib.nullcontext()
+    forward = shadowing_forward(model, shadow, values, argument_name) if values else model.forward
+    writes: list[StateWrite] = []
+    if state_arguments:
+        forward = returning_writes(forward, state_arguments, writes, owner)
+    replaced = forward_replaced(model, forward) if values or state_arguments else contextlib.nullcontext()
     try:
         # partitions are for inference: no autograd state in the graph (out= ops need it)
         with attributes_kept(model), replaced, autocast_on_meta(model), flex_attention_on_meta(model), \
                 buffers_on_meta(model, real_buffers), torch.no_grad():
-            return torch.export.export(model, (), kwargs=named), shadow
+            return torch.export.export(model, (), kwargs=named), shadow, tuple(writes)
     except Exception as error:  # export raises many types; all mean the same to the user
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TraceError(
@@ -508,6 +521,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     named = bind_forward(signature, tuple(args), kwargs, owner)
     if "return_dict" in named:
         named["return_dict"] = True  # the runtime returns output.to_tuple() when a call asks for return_dict=False
+    state_arguments = register_state_objects(named, _is_plain, owner)
     leaves = pytree.tree_flatten_with_path(((), named))[0]
     _refuse_state_objects(leaves, owner)
     names = [argument_name(path[1:]) for path, _ in leaves]
@@ -515,12 +529,13 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     named = inputs_on_meta(model, named)
     real_buffers = real_buffers_of(model)
     try:
-        program, shadow = _export(model, named, owner, values if specialize_values else {}, real_buffers)
+        program, shadow, writes = _export(model, named, owner, values if specialize_values else {}, real_buffers,
+                                          state_arguments)
     except TraceError as error:
         if specialize_values or not values:
             raise
         try:  # the model may read its masks' values in Python: trace it for this call's
-            program, shadow = _export(model, named, owner, values, real_buffers)
+            program, shadow, writes = _export(model, named, owner, values, real_buffers, state_arguments)
         except TraceError as again:
             why = str(again).splitlines()[0].removeprefix(f"torch.export could not trace {owner}: ")
             raise TraceError(f"{error}\n(traced again for the values of {', '.join(values)}: {why})") \
@@ -576,7 +591,7 @@ def trace(model: torch.nn.Module, example_inputs, *, specialize_values: bool = F
     bounds = {str(symbol): int(limits.upper) for symbol, limits in program.range_constraints.items()
               if limits.upper != int_oo}
     return Traced(gm, inputs, in_spec, program.call_spec.out_spec, constant_args, state, signature, bounds,
-                  specialized, shadow.reads, specialize_values, guards)
+                  specialized, shadow.reads, specialize_values, guards, writes)
 
 
 def _model_frame(error: BaseException, model: torch.nn.Module) -> str:

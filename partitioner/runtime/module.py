@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import InputError, TraceError
 from ..frontend.padding import pad_named
+from ..frontend.state_objects import is_state_object
 from ..frontend.trace import argument_name, bind_forward
 from .fingerprints import call_signature, leaf_key, same_constant, value_digest
 from .program import CompiledPartition, call_arguments, check_autocast, describe_call, input_names
@@ -163,7 +164,9 @@ class PartitionedModule(torch.nn.Module):
             guard.agree(problem, describe=lambda: "; ".join(f"{which} call: {call.describe()}" for which, call
                                                             in zip(("first", "second"), calls) if call.describe),
                         **_paired_agreement(calls))
-            if any(call.compiled is None for call in calls):  # (every rank agreed on which programs exist)
+            # (every rank agreed on which programs exist); a program that writes into its state objects runs as an
+            # ordinary call: a predicted call's writes would land in a copy, on the other half's ranks only
+            if any(call.compiled is None or call.compiled.traced.state_writes for call in calls):
                 return self._call_once(*first), False
             for call in calls:
                 self._remember(call.key, call.compiled)
@@ -203,7 +206,8 @@ class PartitionedModule(torch.nn.Module):
                 agreement = compiled.agreement(checked)
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
-                agreement = dict(signature=call_signature(pytree.tree_leaves(((), traced_named))),
+                leaves, spec = pytree.tree_flatten(((), traced_named))  # (the structure too: a state object's)
+                agreement = dict(signature=call_signature(leaves + [str(spec)]),
                                  values=_tensors(traced_named), exact=set(self._valued), marker="a new specialisation")
         except InputError as error:
             problem = error
@@ -326,7 +330,7 @@ def _value(value) -> str:
     """A value in a few words: a tensor's dtype and shape, anything else its repr (cut)."""
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    text = repr(value)
+    text = f"{type(value).__qualname__}(...)" if is_state_object(value) else repr(value)  # (no memory address)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from ..errors import BackwardUnsupported, InputError, our_step
 from ..frontend.padding import pad_dim
 from ..frontend.trace import argument_name, bind_forward
+from ..frontend.state_objects import is_state_object, write_back
 from .agreement import PendingAgreement
 from .fingerprints import call_signature, same_constant, value_digest
 from .gradients import refusing_backward, wants_gradients
@@ -87,9 +88,10 @@ class CompiledPartition:
     def state(self) -> list[torch.Tensor]:
         return self.tensors()
 
-    def flatten(self, args, kwargs, guard_outcomes: dict | None = None) -> tuple[list, list, bool | None, dict]:
-        """All flattened forward arguments, those the device graph takes, the call's return_dict, and the real
-        sizes of the dims padded to their bucket (flat argument index -> {dim: size}). ``guard_outcomes``: this
+    def flatten(self, args, kwargs, guard_outcomes: dict | None = None) -> tuple[list, list, bool | None, dict, dict]:
+        """All flattened forward arguments, those the device graph takes, the call's return_dict, the real sizes of
+        the dims padded to their bucket (flat argument index -> {dim: size}), and the arguments by name (the state
+        objects the program writes into are the caller's own, there). ``guard_outcomes``: this
         call's ``Guards.failed`` already replayed (by the drop-in module, keyed by ``id`` of the guards)."""
         named, return_dict = call_arguments(self.traced.signature, args, kwargs, self.owner)
         leaves, spec = pytree.tree_flatten_with_path(((), named))
@@ -134,7 +136,7 @@ class CompiledPartition:
             raise InputError(f"{self.owner}: for this call's {', '.join(failed.read.inputs)}, {failed.describe()} "
                              "comes out otherwise than when this partition was traced; the module compile() returns "
                              "traces again for it, or partition again with these inputs")
-        return flat, [flat[i] for i in self.user_index], return_dict, real_sizes
+        return flat, [flat[i] for i in self.user_index], return_dict, real_sizes, named
 
     def accepts(self, args, kwargs, guard_outcomes: dict | None = None) -> bool:
         """Whether this program takes the call as it is (its shapes, dtypes, structure and constants)."""
@@ -176,7 +178,7 @@ class CompiledPartition:
         checked. Raises ``InputError``."""
         check_autocast(self.partitioned)
         try:
-            flat, user, return_dict, real_sizes = self.flatten(args, kwargs, guard_outcomes)
+            flat, user, return_dict, real_sizes, named = self.flatten(args, kwargs, guard_outcomes)
             hosted, sizes = self.run_host(flat) if self.host is not None else ([], {})
             self.preflight.check(flat, hosted, real_sizes)
             if hasattr(self.lowered, "check_inputs"):  # a backend's own input checks (Neuron's int32 casts)
@@ -186,7 +188,7 @@ class CompiledPartition:
         except Exception as error:  # e.g. the host prologue on inputs it cannot take: still a rejection
             raise InputError(f"{self.owner}: checking this call's inputs failed: {type(error).__name__}: "
                              f"{error}") from error
-        return _Checked(flat, user, return_dict, hosted, sizes)
+        return _Checked(flat, user, return_dict, hosted, sizes, named)
 
     def agreement(self, checked: "_Checked") -> dict:
         """What the ranks compare for a checked call (``CallGuard.agree``'s keyword arguments)."""
@@ -230,6 +232,9 @@ class CompiledPartition:
         for index, dim, expression in self.host.trims if self.host is not None else ():
             out[index] = out[index].narrow(dim, 0, int(sympy.sympify(expression).subs(checked.sizes)))
         result = pytree.tree_unflatten(list(out), self.traced.out_spec)
+        if self.traced.state_writes:  # what the forward wrote into its state objects, into the caller's
+            result, written = result
+            write_back(checked.named, self.traced.state_writes, written)
         if checked.return_dict is False and hasattr(result, "to_tuple"):
             return result.to_tuple()
         return result
@@ -277,6 +282,7 @@ class _Checked(NamedTuple):
     return_dict: bool | None
     hosted: list
     sizes: dict
+    named: dict  # the arguments by name
 
 
 def call_arguments(signature, args, kwargs, owner: str) -> tuple[dict, bool | None]:
@@ -306,7 +312,15 @@ def input_names(in_spec: pytree.TreeSpec) -> list[str]:
 
 
 def _describe(value) -> str:
-    """A pytree's shape in a line: containers kept, leaves as *."""
+    """A pytree's shape in a line: containers kept, leaves as *, a state object as its type and attributes (never
+    its repr, which holds a memory address)."""
+    if is_state_object(value):
+        return f"{type(value).__qualname__}({', '.join(f'{k}={_describe(v)}' for k, v in vars(value).items())})"
+    if type(value) in (list, tuple):
+        inner = ", ".join(_describe(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
     return str(pytree.tree_unflatten(["*"] * pytree.tree_structure(value).num_leaves, pytree.tree_structure(value)))
 
 

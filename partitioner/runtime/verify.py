@@ -20,6 +20,8 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from ..tensor_parts import plain_parts
 from ..errors import VerificationError
+from ..frontend.state_objects import written_tensors
+from ..frontend.trace import bind_forward
 from ..source import source_line
 from ..placement import PackedShard, Partial, delivery_order, is_sharded, shorthand, slice_local, split_order
 from ..passes.device_layout import place_graph_on
@@ -144,7 +146,13 @@ def _verify(partitioned, model: torch.nn.Module, args, kwargs, *, rtol: float, a
     flat, user, *_ = runner.flatten(args, kwargs)
     hosted, _ = runner.run_host(flat) if runner.host is not None else ([], {})
     with torch.no_grad():
+        writes = partitioned.traced.state_writes
+        if writes:  # the eager model writes into copies of the call's state objects (the graph returns its writes)
+            args, kwargs = pytree.tree_map(lambda leaf: leaf, (args, kwargs))
         expected_out = model(*args, **kwargs)
+        if writes:
+            named = bind_forward(partitioned.traced.signature, args, kwargs, type(model).__name__)
+            expected_out = (expected_out, written_tensors(named, writes))
         whole = _whole_state(partitioned, model)
         reference = _Recorder(_on(partitioned.planned_graph, runner.device))
         tensors = [whole[gi.target] for gi in partitioned.ctx.inputs if gi.is_model_tensor]
