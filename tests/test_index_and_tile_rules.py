@@ -241,6 +241,9 @@ def test_a_constant_index_that_is_one_ascending_run_is_traced_as_a_slice():
     (lambda x: x.argsort(stable=True, dim=-1), aten.argsort.stable),
     (lambda x: x.topk(3, -1), aten.topk.default),
     (lambda x: x.cumsum(-1), aten.cumsum.default),
+    (lambda x: x.cummax(-1), aten.cummax.default),
+    (lambda x: x.cummin(3), aten.cummin.default),
+    (lambda x: x.logcumsumexp(-1), aten.logcumsumexp.default),
 ])
 def test_ops_along_one_dim_carry_a_shard_of_any_other_dim(fn, target):
     """A per-head block map sorted, ranked, cut to its top blocks or accumulated along its last dim (Kandinsky 6 SR's
@@ -251,3 +254,17 @@ def test_ops_along_one_dim_carry_a_shard_of_any_other_dim(fn, target):
     assert all(p == Shard(1) for p in outputs) and decision.inputs[x] == Shard(1), decision
     with pytest.raises(Unshardable, match="along the sharded dim 3"):
         _decide(node, {x: Shard(3)})
+
+
+def test_baddbmm_splits_like_bmm_and_cuts_what_it_adds():
+    """diffusers' classic attention scores (``baddbmm(mask, q, k^T)``, batch and heads folded): the folded dim or the
+    query rows split as bmm's, the added mask cut alike where it has that dim (of size one it broadcasts: whole);
+    a split contraction is refused (every rank would add the mask to its partial product)."""
+    node, (m, a, b) = _node(lambda m, a, b: torch.baddbmm(m, a, b, alpha=0.5), torch.randn(6, 1, 5),
+                            torch.randn(6, 4, 8), torch.randn(6, 8, 5), target=aten.baddbmm.default)
+    decision = _decide(node, {a: Shard(0)})
+    assert decision.output == Shard(0) and decision.inputs[b] == Shard(0) and decision.inputs[m] == Shard(0)
+    decision = _decide(node, {a: Shard(1)})
+    assert decision.output == Shard(1) and decision.inputs[b] == R and decision.inputs[m] == R
+    with pytest.raises(Unshardable, match="contracted"):
+        _decide(node, {a: Shard(2), b: Shard(1)})

@@ -7,7 +7,8 @@ AdaLN modulation from one timestep or one per row (a timestep per frame), GELU o
 heads, a control input adding hints into the block, text given as a list of tensors and outputs as lists, Python
 branches on a float input (a guard) or an integer one (traced for its values), text rows reordered by their mask
 before the joint attention, a causal or block-causal (by frame) mask over the joint rows, and a second modality
-(audio rows) the image rows attend to, the attention written out by hand (scale, soft cap, mask, softmax) or as
+(audio rows) the image rows attend to, the attention written out by hand (scale, soft cap, mask, softmax; or over
+batch and heads folded into one dim, as diffusers' AttnProcessor writes it with baddbmm and bmm) or as
 ``flex_attention`` (split by heads under tp, its score reading the global head index; left whole by name under
 ulysses), and a tensor taken through ``**kwargs``. Four gloo ranks stay alive
 across examples (``RankPool``).
@@ -113,6 +114,8 @@ class TinyDiT(nn.Module):
         or flex_attention with a temperature per head (a shift per head would cancel in the softmax)."""
         if self.attention == "flex" and not masked:
             return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score * (1 + 0.1 * h))
+        if self.attention == "folded":
+            return self._folded(q, k, v, masked)
         if self.attention != "written":
             return F.scaled_dot_product_attention(q, k, v, **masked)
         scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 4.0) * 4.0
@@ -122,6 +125,18 @@ class TinyDiT(nn.Module):
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         return scores.softmax(-1) @ v
+
+    def _folded(self, q, k, v, masked: dict):
+        """As diffusers' classic AttnProcessor: batch and heads folded into one dim, scores by ``baddbmm`` adding the
+        mask (or an empty tensor it scales by zero), ``bmm``."""
+        b, heads, rows, dim = q.shape
+        q, k, v = (t.reshape(b * heads, rows, dim) for t in (q, k, v))
+        allowed = torch.ones(rows, rows, dtype=torch.bool).tril() if masked.get("is_causal") else \
+            masked.get("attn_mask")
+        added = torch.empty(b * heads, rows, rows) if allowed is None else \
+            torch.zeros(rows, rows).masked_fill(~allowed, -10000.0).expand(b * heads, rows, rows)
+        scores = torch.baddbmm(added, q, k.transpose(-1, -2), beta=0.0 if allowed is None else 1.0, alpha=dim ** -0.5)
+        return torch.bmm(scores.softmax(-1), v).view(b, heads, rows, dim)
 
 
 def build(config: dict):
@@ -187,7 +202,7 @@ configs = st.fixed_dictionaries(dict(
     mesh=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 3), grouped=st.booleans(), control=st.booleans(),
     branch=st.sampled_from(["none", "int", "float"]), reorder=st.booleans(), per_frame=st.booleans(),
     listed=st.booleans(), causal=st.sampled_from(["none", "causal", "block"]), cross=st.booleans(),
-    attention=st.sampled_from(["sdpa", "written", "flex"]), kwargs=st.booleans()))
+    attention=st.sampled_from(["sdpa", "written", "folded", "flex"]), kwargs=st.booleans()))
 
 
 def _check(outcomes: list, config: dict) -> None:
@@ -204,7 +219,8 @@ def test_random_dits_are_exact_or_refused_on_every_rank(ranks, config):
     _check(ranks.run(_case, config), config)
 
 
-@pytest.mark.parametrize("features", ["plain", "every feature", "a mask reorder alone", "written attention"])
+@pytest.mark.parametrize("features", ["plain", "every feature", "a mask reorder alone", "written attention",
+                                      "folded attention"])
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh, features):
     """The property must not pass by refusing: 4 heads and 8 rows divide every degree here, with every feature the
@@ -215,6 +231,8 @@ def test_a_model_that_fits_every_mesh_is_never_refused(ranks, mesh, features):
         config.update(reorder=True)
     elif features == "written attention":  # by hand, with a soft cap and a causal mask, grouped heads repeated
         config.update(attention="written", causal="causal", grouped=True)
+    elif features == "folded attention":  # batch and heads folded, a mask added by baddbmm (AttnProcessor)
+        config.update(attention="folded", causal="block")
     elif features != "plain":
         config.update(grouped=True, control=True, branch="float", reorder=True, per_frame=True, listed=True,
                       cross=True, kwargs=True)

@@ -188,6 +188,22 @@ def subclass_part_names(model: torch.nn.Module, exported_names) -> dict[str, tup
     return names
 
 
+def _scaled_product(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """``baddbmm(input, a, b, beta=0, alpha)`` as ``alpha * bmm(a, b)``: the input it scales by zero (diffusers'
+    classic attention allocates an empty one, of the scores' whole size) is never read, so never allocated."""
+    added = node.args[0]
+    with gm.graph.inserting_before(node):
+        product = gm.graph.call_function(torch.ops.aten.bmm.default, tuple(node.args[1:3]))
+        alpha = node.kwargs.get("alpha", 1)
+        scaled = product if alpha == 1 else gm.graph.call_function(torch.ops.aten.mul.Tensor, (product, alpha))
+    for new in {product, scaled}:
+        new.meta = dict(node.meta)  # (same shape and dtype, same source line)
+    node.replace_all_uses_with(scaled)
+    gm.graph.erase_node(node)
+    if isinstance(added, torch.fx.Node) and not added.users and added.op == "call_function":
+        gm.graph.erase_node(added)
+
+
 def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
     """An eval-mode dropout, or a clone of a contiguous value into the same layout in a graph without writes."""
     source = node.args[0] if node.args else None
@@ -286,6 +302,8 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             _drop_legacy_empty_operands(gm, node, functional)
         elif node.target in _CAT_ALIASES:  # torch.concatenate / torch.concat: cat by another name (LTX's VAEs)
             node.target = torch.ops.aten.cat.default
+        elif node.target is torch.ops.aten.baddbmm.default and node.kwargs.get("beta", 1) == 0:
+            _scaled_product(gm, node)
         elif node.target in _MOVEDIM:  # a view the rules know as permute (x.movedim(1, -1) before a norm)
             node.target, node.args, node.kwargs = torch.ops.aten.permute.default, movedim_as_permute(node), {}
         elif functional and _view_back(node):  # a flatten and its unflatten (functionalized bias adds leave them)

@@ -345,13 +345,14 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         q, k, _ = attention_operands(node)
         # (flex_attention computes a tuple: its output, then its logsumexp)
         output = decision.output[0] if isinstance(decision.output, tuple) else decision.output
+        rows = len(shape_of(q) or (1, 1, 1, 1)) - 2  # (a written attention may fold batch and heads: 3-D)
         if (shape_of(q) or (1, 1))[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
             found[where] = AttentionSequence(SequenceKind.SINGLE_QUERY)
-        elif output == Shard(1):  # runs on a head shard: q, k and v were exchanged to it
+        elif output == Shard(rows - 1):  # runs on a head shard: q, k and v were exchanged to it
             found[where] = AttentionSequence(SequenceKind.ULYSSES)
-        elif getattr(output, "dim", None) == 2 and any_sharded(decision.inputs.get(k, R)):
+        elif getattr(output, "dim", None) == rows and any_sharded(decision.inputs.get(k, R)):
             found[where] = AttentionSequence(SequenceKind.RING)
-        elif getattr(output, "dim", None) == 2:  # this rank's query rows over whole keys, values
+        elif getattr(output, "dim", None) == rows:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
         elif node in refused:
             found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node].detail, refused[node].where)

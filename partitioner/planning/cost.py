@@ -123,7 +123,8 @@ def matmul_flops(node) -> float:
 
     if node.target is aten.linear.default:
         return 2 * node.meta["val"].numel() * node.args[1].meta["val"].shape[1]
-    if node.target in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.matmul.default):
+    if node.target in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+                       aten.matmul.default):
         a = node.args[-2].meta["val"]
         return 2 * node.meta["val"].numel() * a.shape[-1]
     if node.target in (aten.scaled_dot_product_attention.default, ring_attention):

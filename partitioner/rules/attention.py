@@ -108,6 +108,8 @@ def attention(node: Node, placements, axis_size: int) -> Decision:
     sharded = sharded_inputs(node, placements)
     if not sharded:
         return replicate_all(node, placements)
+    if len(shape_of(q)) != 4:  # (3-D: its dim 1 is the rows, not heads)
+        raise Unshardable(f"scaled_dot_product_attention over {len(shape_of(q))}-D values (no heads dim)")
     dims = {p.dim for n, p in sharded.items() if n in (q, k, v)}
     if len(dims) != 1 or any(isinstance(p, PackedShard) for p in sharded.values()):
         raise Unshardable("query, key and value are sharded differently")

@@ -1,4 +1,4 @@
-"""matmul / bmm / mm: a shard follows the dim it names in the product.
+"""matmul / bmm / mm / baddbmm: a shard follows the dim it names in the product.
 
 ``a @ b`` with ``a [..., n, k]`` and ``b [..., k, m]`` (batch dims broadcast, right-aligned):
 - a batch dim sharded: every batch entry is its own product; the other operand is cut alike (a local slice when it
@@ -45,7 +45,28 @@ def _operand_dim(role: tuple[str, int], ndim: int, out_ndim: int, first: bool) -
 
 @register(aten.matmul.default, aten.bmm.default, aten.mm.default)
 def matmul(node: Node, placements, axis_size: int) -> Decision:
-    a, b = node.args[:2]
+    return _product(node, *node.args[:2], placements)
+
+
+@register(aten.baddbmm.default)
+def baddbmm(node: Node, placements, axis_size: int) -> Decision:
+    """``beta * input + alpha * (batch1 @ batch2)`` (diffusers' classic attention scores, its mask the input): the
+    product shards as bmm's, the input is cut alike where it has the output's sharded dim (right-aligned; of size
+    one it broadcasts and stays whole). A split contracted dim is refused: every rank would add the input to its
+    partial product."""
+    added, first, second = node.args[:3]
+    decision = _product(node, first, second, placements)
+    if isinstance(decision.output, Partial):
+        raise Unshardable("baddbmm with its contracted dim sharded")
+    if not isinstance(added, Node):
+        return decision
+    shape = shape_of(added) or ()
+    dim = decision.output.dim - (len(shape_of(node)) - len(shape)) if is_sharded(decision.output) else -1
+    return Decision(decision.output, {**decision.inputs, added: with_dim(decision.output, dim)
+                                      if dim >= 0 and shape[dim] > 1 else R})
+
+
+def _product(node: Node, a: Node, b: Node, placements) -> Decision:
     pa, pb = (placements.get(n, R) for n in (a, b))
     pa, pb = (R if isinstance(p, Partial) else p for p in (pa, pb))  # a partial operand is reduced first
     if not (is_sharded(pa) or is_sharded(pb)):

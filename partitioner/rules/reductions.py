@@ -61,14 +61,16 @@ def softmax(node: Node, placements, axis_size: int) -> Decision:
 # (position, keyword), the dim when not given)
 _ALONG_ONE_DIM = {aten.sort.default: (1, -1), aten.sort.stable: (None, -1), aten.argsort.default: (1, -1),
                   aten.argsort.stable: (None, -1), aten.topk.default: (2, -1), aten.cumsum.default: (1, None),
-                  aten.cumprod.default: (1, None)}
+                  aten.cumprod.default: (1, None), aten.cummax.default: (1, None), aten.cummin.default: (1, None),
+                  aten.logcumsumexp.default: (1, None)}
 
 
 @register(*_ALONG_ONE_DIM)
 def along_one_dim(node: Node, placements, axis_size: int) -> Decision:
-    """sort / argsort / topk / cumsum / cumprod along one dim: every slice along it ordered (selected, summed) on
-    its own, so a shard along any other dim is carried, values and indices alike (the indices count along the
-    whole dim); sharded along that dim it is refused (an order or a prefix spans the ranks)."""
+    """sort / argsort / topk / cumsum / cumprod / cummax / cummin / logcumsumexp along one dim: every slice along it
+    ordered (selected, summed) on its own, so a shard along any other dim is carried, values and indices alike (the
+    indices count along the whole dim); sharded along that dim it is refused (an order or a prefix spans the
+    ranks)."""
     source = node.args[0]
     placement = placements.get(source, R)
     decision = same_as_input(node, placements, source)

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from ..placement import PackedShard, Replicate, Shard, is_sharded
 from . import NeedsPacking, NeedsUnit, Unshardable
-from .written_attention import attention_operands
+from .written_attention import attention_operands, written_attention
 
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 _JOINS = (torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default)
@@ -117,8 +117,10 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     split them: the rules are asked for 2 ranks, which any dim of 2 rows or more can take. ``skip``: values the
     walk does not enter (the model's weights)."""
     degree = 2
+    # (3-D: a written attention over batch and heads folded into one dim; a 3-D SDPA has no heads dim to exchange)
     operands = {n: found for n in gm.graph.nodes if (found := attention_operands(n)) is not None
-                and len(_shape(found[0]) or ()) == 4}
+                and (len(_shape(found[0]) or ()) == 4 or len(_shape(found[0]) or ()) == 3 and written_attention(n))}
+    rows = {n: len(_shape(found[0])) - 2 for n, found in operands.items()}  # (3-D: batch and heads folded)
     attentions = list(operands)
     found = SequenceDims()
     rules: dict[Node, Callable] = {}
@@ -143,8 +145,8 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     queue = deque()
     for attention in attentions:
         for source in operands[attention]:
-            if isinstance(source, Node) and 2 in _row_dims(source) and record(source, 2):
-                queue.append((source, 2, None))
+            if isinstance(source, Node) and rows[attention] in _row_dims(source) and record(source, rows[attention]):
+                queue.append((source, rows[attention], None))
     visited = set()
     while queue:
         node, dim, index = queue.popleft()
@@ -175,8 +177,8 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
         outputs = [attention] if isinstance(attention.meta.get("val"), torch.Tensor) else \
             [getter for getter in attention.users if _is_getitem(getter)]
         for output in outputs:
-            record(output, 2)
-            queue.append((output, 2))
+            record(output, rows[attention])
+            queue.append((output, rows[attention]))
     visited = set()
     while queue:
         node, dim = queue.popleft()

@@ -12,7 +12,10 @@ scores (a scale, Gemma's soft cap ``tanh(s / c) * c``, an additive or ``where`` 
 - fewer rows than the degree: left whole (as for SDPA).
 
 ``written_attention(node)`` recognises the pattern at its last matmul by op semantics (a softmax over the last dim
-between two matmuls, only elementwise ops between the first matmul and the softmax), never by names or sizes.
+between two matmuls, only elementwise ops between the first matmul and the softmax), never by names or sizes. The
+values are ``[batch, heads, rows, dim]``, or ``[batch * heads, rows, dim]`` as diffusers' classic ``AttnProcessor``
+folds them (``bmm``, its scores a ``baddbmm`` that adds a mask or an empty tensor scaled by zero): every slice along
+the folded dim is one (batch, head), split like heads.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from torch.fx import Node
 
 from ..placement import PackedShard, Partial, Shard, is_sharded
 from .core import Decision, R, Unshardable, register_factory, shape_of
-from .matmul import matmul
+from .matmul import baddbmm, matmul
 from .attention import FLEX_ATTENTION, RING_AXES
 
 aten = torch.ops.aten
-_MATMULS = (aten.matmul.default,)
+_MATMULS = (aten.matmul.default, aten.bmm.default)
+_SCORES = _MATMULS + (aten.baddbmm.default,)  # (beta * mask + alpha * q @ k^T: elementwise on the product)
 _SOFTMAX = (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.clone.default, aten.contiguous.default,
           aten.alias.default)
@@ -41,8 +45,18 @@ class WrittenAttention:
     output: Node  # softmax(...) @ v
     q: Node
     keys_t: Node  # k^T as the scores read it
-    k: Node  # the keys, [batch, heads, rows, dim]
+    k: Node  # the keys, [batch, heads, rows, dim] or [batch * heads, rows, dim]
     v: Node
+    added: Node | None = None  # what a baddbmm adds to the scores (a mask, or an empty tensor it scales by zero)
+
+    @property
+    def heads_dim(self) -> int:
+        """The dim whose slices are independent attentions: heads, or batch and heads folded into one."""
+        return len(shape_of(self.q)) - 3
+
+    @property
+    def rows_dim(self) -> int:
+        return len(shape_of(self.q)) - 2
 
 
 def _is_elementwise(node: Node) -> bool:
@@ -55,7 +69,7 @@ def _scores_of(node: Node, shape: tuple, depth: int = 0) -> Node | None:
     """The matmul that ``node`` (shaped ``shape``) is computed from through elementwise ops of that shape."""
     if node.op != "call_function" or depth > _CHAIN_LIMIT:
         return None
-    if node.target in _MATMULS:
+    if node.target in _SCORES:
         return node
     if not _is_elementwise(node):
         return None
@@ -68,7 +82,8 @@ def _scores_of(node: Node, shape: tuple, depth: int = 0) -> Node | None:
 
 
 def written_attention(node: Node) -> WrittenAttention | None:
-    """``node`` as the last matmul of a written-out attention over 4-D ``[batch, heads, rows, dim]`` values."""
+    """``node`` as the last matmul of a written-out attention over ``[batch, heads, rows, dim]`` values (or their
+    3-D ``[batch * heads, rows, dim]`` fold)."""
     if node.op != "call_function" or node.target not in _MATMULS or len(node.args) < 2:
         return None
     probabilities, v = node.args[:2]
@@ -78,20 +93,25 @@ def written_attention(node: Node) -> WrittenAttention | None:
     while softmax.op == "call_function" and softmax.target in _CASTS and isinstance(softmax.args[0], Node):
         softmax = softmax.args[0]
     shape = shape_of(softmax)
-    if softmax.target not in _SOFTMAX or shape is None or len(shape) != 4 or softmax.args[1] not in (-1, 3):
+    if softmax.target not in _SOFTMAX or shape is None or len(shape) not in (3, 4) or \
+            softmax.args[1] not in (-1, len(shape) - 1):
         return None
+    ndim = len(shape)
     scores = _scores_of(softmax.args[0], shape)
-    if scores is None or not all(isinstance(a, Node) for a in scores.args[:2]):
+    operands = scores.args[1:3] if scores is not None and scores.target is aten.baddbmm.default else \
+        scores.args[:2] if scores is not None else ()
+    if len(operands) != 2 or not all(isinstance(a, Node) for a in operands):
         return None
-    q, keys_t = scores.args[:2]
-    if keys_t.target is not aten.transpose.int or sorted(d % 4 for d in keys_t.args[1:3]) != [2, 3]:
+    q, keys_t = operands
+    if keys_t.target is not aten.transpose.int or sorted(d % ndim for d in keys_t.args[1:3]) != [ndim - 2, ndim - 1]:
         return None
     k = keys_t.args[0]
     shapes = [shape_of(x) for x in (q, k, v)]
-    if any(s is None or len(s) != 4 for s in shapes) or shapes[0][1] != shapes[1][1] or \
-            shapes[1][:3] != shapes[2][:3]:
+    if any(s is None or len(s) != ndim for s in shapes) or shapes[0][ndim - 3] != shapes[1][ndim - 3] or \
+            shapes[1][:-1] != shapes[2][:-1]:
         return None  # (heads of q, k and v must match: grouped keys are repeated before a written attention)
-    return WrittenAttention(scores, node, q, keys_t, k, v)
+    added = scores.args[0] if scores.target is aten.baddbmm.default and isinstance(scores.args[0], Node) else None
+    return WrittenAttention(scores, node, q, keys_t, k, v, added)
 
 
 def written_attention_from_scores(node: Node) -> WrittenAttention | None:
@@ -112,7 +132,6 @@ def _downstream(node: Node, depth: int = 0):
             yield from _downstream(user, depth + 1)
 
 
-@register_factory(aten.matmul.default, axis="sequence")
 def make_sequence_matmul(roles, axis: str):
     ring = axis in RING_AXES
 
@@ -123,43 +142,60 @@ def make_sequence_matmul(roles, axis: str):
         last = written_attention(node)
         if last is not None:
             return _output(last, placements, axis_size)
-        return matmul(node, placements, axis_size)
+        return (baddbmm if node.target is aten.baddbmm.default else matmul)(node, placements, axis_size)
     return sequence_matmul
+
+
+for _target in _SCORES:
+    register_factory(_target, axis="sequence")(make_sequence_matmul)
+
+
+def _along(attention: WrittenAttention, dim: int, decided: dict) -> dict:
+    """``decided`` plus what a baddbmm adds to the scores, split along the scores' ``dim`` where it has that dim
+    (aligned from the right: it broadcasts), else whole."""
+    added = attention.added
+    if added is None:
+        return decided
+    shape, ndim = shape_of(added), len(shape_of(attention.scores))
+    own = dim - (ndim - len(shape))
+    return {**decided, added: Shard(own) if own >= 0 and shape[own] > 1 else R}
 
 
 def _scores(attention: WrittenAttention, placements, axis_size: int, ring: bool) -> Decision:
     """``q @ k^T``: on this rank's heads (Ulysses), or this rank's query rows over whole keys."""
-    q, keys_t = attention.q, attention.keys_t
+    q, keys_t, h, r = attention.q, attention.keys_t, attention.heads_dim, attention.rows_dim
     pq, pk = placements.get(q, R), placements.get(keys_t, R)
     if not (is_sharded(pq) or is_sharded(pk)):
-        return Decision(R, {q: R, keys_t: R})
+        return Decision(R, {q: R, keys_t: R} | ({} if attention.added is None else {attention.added: R}))
     if isinstance(pq, PackedShard) or isinstance(pk, PackedShard):
         raise Unshardable("a written-out attention over a packed (joint) sequence")
-    rows_q, rows_k = pq == Shard(2), pk == Shard(3)
+    rows_q, rows_k = pq == Shard(r), pk == Shard(r + 1)
     if not (rows_q or pq == R) or not (rows_k or pk == R):
-        return matmul(attention.scores, placements, axis_size)  # (heads already split: a batch dim)
-    heads = shape_of(q)[1]
-    for split, rows in ((rows_q, shape_of(q)[2]), (rows_k, shape_of(keys_t)[3])):
+        # (heads already split: a batch dim)
+        return (baddbmm if attention.scores.target is aten.baddbmm.default else matmul)(
+            attention.scores, placements, axis_size)
+    heads = shape_of(q)[h]
+    for split, rows in ((rows_q, shape_of(q)[r]), (rows_k, shape_of(keys_t)[r + 1])):
         if split and rows < axis_size:
             raise Unshardable(f"a sequence of {rows} rows cannot be spread over a degree of {axis_size}")
     if not ring and heads >= axis_size and rows_k:  # (queries split over whole keys: on their own rows, below)
-        return Decision(Shard(1), {q: Shard(1), keys_t: Shard(1)})
+        return Decision(Shard(h), _along(attention, h, {q: Shard(h), keys_t: Shard(h)}))
     if not rows_q:
         raise Unshardable("keys split along their rows reach a written-out attention whose queries are whole")
-    return Decision(Shard(2), {q: Shard(2), keys_t: R})
+    return Decision(Shard(r), _along(attention, r, {q: Shard(r), keys_t: R}))
 
 
 def _output(attention: WrittenAttention, placements, axis_size: int) -> Decision:
     """``p @ v``: on the heads the scores ran on (values exchanged alike; consumers see the queries' rows), or on
     this rank's query rows with whole values; otherwise as any matmul."""
     probabilities, v = attention.output.args[:2]
-    placed = placements.get(probabilities, R)
-    if placed == Shard(1):
+    placed, h, r = placements.get(probabilities, R), attention.heads_dim, attention.rows_dim
+    if placed == Shard(h):
         queries = placements.get(attention.q, R)  # (what consumers see: the queries' rows, never a partial sum)
-        return Decision(Shard(1), {probabilities: Shard(1), v: Shard(1)},
+        return Decision(Shard(h), {probabilities: Shard(h), v: Shard(h)},
                         visible=R if isinstance(queries, Partial) else queries)
-    if placed == Shard(2):
-        return Decision(Shard(2), {probabilities: Shard(2), v: R})
+    if placed == Shard(r):
+        return Decision(Shard(r), {probabilities: Shard(r), v: R})
     return matmul(attention.output, placements, axis_size)
 
 
