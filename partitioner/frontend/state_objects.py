@@ -54,9 +54,9 @@ def register_state_objects(named: dict, plain: Callable[[Any], bool], owner: str
     """Register the types of the state objects among the arguments, once every one of them is known to rebuild
     faithfully (no shared object, no cycle, every leaf it holds one export takes: ``plain``); return the names of
     the arguments that hold one."""
-    found, seen = set(), set()
+    found, seen, holders = set(), set(), set()
 
-    def walk(value, where: str, inside: str | None, stack: tuple):
+    def walk(value, argument: str, where: str, inside: str | None, stack: tuple):
         if is_state_object(value) or isinstance(value, (list, dict)):
             if id(value) in stack:
                 raise TraceError(f"{owner}: argument {where} refers back to an object that holds it (a cycle), which "
@@ -69,6 +69,7 @@ def register_state_objects(named: dict, plain: Callable[[Any], bool], owner: str
             stack += (id(value),)
         if is_state_object(value):
             found.add(type(value))
+            holders.add(argument)
             inside = inside or f"{where} (a {type(value).__module__}.{type(value).__qualname__})"
         children = _children(value)
         if not children and inside is not None and pytree.tree_is_leaf(value) and not plain(value) \
@@ -78,17 +79,13 @@ def register_state_objects(named: dict, plain: Callable[[Any], bool], owner: str
                 " which torch.export cannot take as an input; a cache or other state object: call without it (None, "
                 "or use_cache=False where the forward offers it) to partition the uncached forward")
         for key, child in children:
-            walk(child, where + key, inside, stack)
+            walk(child, argument, where + key, inside, stack)
 
     for name, value in named.items():
-        walk(value, name, None, ())
+        walk(value, name, name, None, ())
     for cls in found - _OURS:
         _register(cls)
-    return [name for name, value in named.items() if any(is_state_object(node) for node in _nodes(value))]
-
-
-def _nodes(value) -> list:
-    return [value] + [node for _, child in _children(value) for node in _nodes(child)]
+    return [name for name in named if name in holders]
 
 
 def _register(cls: type) -> None:

@@ -117,10 +117,13 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     split them: the rules are asked for 2 ranks, which any dim of 2 rows or more can take. ``skip``: values the
     walk does not enter (the model's weights)."""
     degree = 2
-    # (3-D: a written attention over batch and heads folded into one dim; a 3-D SDPA has no heads dim to exchange)
-    operands = {n: found for n in gm.graph.nodes if (found := attention_operands(n)) is not None
-                and (len(_shape(found[0]) or ()) == 4 or len(_shape(found[0]) or ()) == 3 and written_attention(n))}
-    rows = {n: len(_shape(found[0])) - 2 for n, found in operands.items()}  # (3-D: batch and heads folded)
+    operands, rows = {}, {}  # attention -> (q, k, v), and the dim of their rows
+    for n in gm.graph.nodes:
+        found = attention_operands(n)
+        ndim = len(_shape(found[0]) or ()) if found is not None else 0
+        # (3-D: a written attention over batch and heads folded into one dim; a 3-D SDPA has no heads to exchange)
+        if ndim == 4 or ndim == 3 and written_attention(n) is not None:
+            operands[n], rows[n] = found, ndim - 2
     attentions = list(operands)
     found = SequenceDims()
     rules: dict[Node, Callable] = {}

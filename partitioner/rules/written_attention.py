@@ -98,8 +98,9 @@ def written_attention(node: Node) -> WrittenAttention | None:
         return None
     ndim = len(shape)
     scores = _scores_of(softmax.args[0], shape)
-    operands = scores.args[1:3] if scores is not None and scores.target is aten.baddbmm.default else \
-        scores.args[:2] if scores is not None else ()
+    if scores is None:
+        return None
+    operands = scores.args[1:3] if scores.target is aten.baddbmm.default else scores.args[:2]
     if len(operands) != 2 or not all(isinstance(a, Node) for a in operands):
         return None
     q, keys_t = operands
