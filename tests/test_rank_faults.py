@@ -171,6 +171,42 @@ def test_a_mask_whose_values_differ_between_ranks_is_named(pool):
     assert max(error for _, error in results) <= TOLERANCE
 
 
+class _Adjustment:
+    """A state object (a forward argument taken apart by its attributes): which attribute holds its tensor decides
+    what the forward computes."""
+
+    def __init__(self, **tensors):
+        vars(self).update(tensors)
+
+
+class _Adjusted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x, adjustment):
+        return self.down(self.up(x * adjustment.scale if hasattr(adjustment, "scale") else x + adjustment.shift))
+
+
+def _other_state_structure(rank, world):
+    """Rank 1 passes its tensor as ``shift``, rank 0 as ``scale`` (the traced one): equal leaves, other structures.
+    Rank 1 would trace again for its structure while rank 0 runs the traced program."""
+    torch.manual_seed(0)
+    model, x, factor = _Adjusted().eval(), torch.randn(2, 8), torch.randn(2, 8)
+    compiled = partition(model, _mesh(world), ((x, _Adjustment(scale=factor)), {}), timeout=TIMEOUT).compile()
+    outcome = attempt(lambda: compiled(x, _Adjustment(shift=factor) if rank == 1 else _Adjustment(scale=factor)))
+    with torch.no_grad():
+        error = (compiled(x, _Adjustment(scale=factor)) - model(x, _Adjustment(scale=factor))).abs().max().item()
+    return outcome, error
+
+
+def test_ranks_whose_state_objects_differ_in_structure_refuse_together(pool):
+    results = pool.run(_other_state_structure)
+    _assert_named([outcome for outcome, _ in results], "InputError", "rank(s) [1] were called with other input "
+                  "shapes, dtypes or options than rank 0", timeout=TIMEOUT)
+    assert max(error for _, error in results) <= TOLERANCE
+
+
 def _other_weights(rank, world):
     """Rank 1 builds its model unseeded (other random weights): the plan check compares sampled weights."""
     model = tiny_h3(seed=1) if rank == 1 else _STATE["model"]

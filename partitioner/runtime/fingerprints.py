@@ -14,6 +14,7 @@ import hashlib
 import struct
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..errors import InputError
 from ..tensor_parts import plain_parts
@@ -160,10 +161,11 @@ def same_constant(given, traced) -> bool:
     return type(given) is type(traced) and given == traced
 
 
-def call_signature(values: list, exact=()) -> int:
-    """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, and the
-    same values at the indices in ``exact``."""
-    described = [leaf_key(v) for v in values]
+def call_signature(values: list, exact=(), structure: pytree.TreeSpec | None = None) -> int:
+    """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, the same
+    values at the indices in ``exact`` and the same ``structure`` (the call's pytree spec: two state objects whose
+    tensors sit under other attribute names flatten to equal leaves)."""
+    described = [leaf_key(v) for v in values] + [str(structure)]
     described += [value_digest(values[i]) for i in sorted(exact)]
     return _number(repr(described))
 

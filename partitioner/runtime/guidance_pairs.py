@@ -200,8 +200,9 @@ class GuidancePairs:
         """Every rank serves this call, or every rank learns that one did not (its ranks would otherwise run a
         program the others skip): one agreement, as a computed call makes."""
         tensors = [(name, value) for name, value in named.items() if isinstance(value, torch.Tensor)]
+        leaves, structure = pytree.tree_flatten(named)
         with self.guard.exclusive():
-            self.guard.agree(None, signature=call_signature(pytree.tree_leaves(named)), values=tensors,
+            self.guard.agree(None, signature=call_signature(leaves, structure=structure), values=tensors,
                              marker="served by the guidance pair")
 
     def _exchange(self, mine):

@@ -206,7 +206,8 @@ class PartitionedModule(torch.nn.Module):
                 agreement = compiled.agreement(checked)
             else:  # every rank must specialise for the same shapes: agree first, as a call of the program would
                 traced_named, _ = call_arguments(self._first.traced.signature, (), bucketed, owner)
-                agreement = dict(signature=call_signature(pytree.tree_leaves(((), traced_named))),
+                leaves, structure = pytree.tree_flatten(((), traced_named))  # (the spec a trace of it would take)
+                agreement = dict(signature=call_signature(leaves, structure=structure),
                                  values=_tensors(traced_named), exact=set(self._valued), marker="a new specialisation")
         except InputError as error:
             problem = error

@@ -193,7 +193,8 @@ class CompiledPartition:
     def agreement(self, checked: "_Checked") -> dict:
         """What the ranks compare for a checked call (``CallGuard.agree``'s keyword arguments)."""
         flat = checked.flat
-        return dict(signature=call_signature(flat), exact={self.names[i] for i in self.traced.values},
+        return dict(signature=call_signature(flat, structure=self.traced.in_spec),
+                    exact={self.names[i] for i in self.traced.values},
                     values=[(self.names[i], v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)])
 
     def __call__(self, *args, **kwargs):
