@@ -101,6 +101,25 @@ def test_graphs_without_writes_are_not_rewritten():
     assert torch.ops.aten.unflatten.int in targets and torch.ops.aten.slice_scatter.default not in targets
 
 
+class _AppendedRows(nn.Module):
+    def forward(self, x, rest):
+        n = x.shape[0]
+        return torch.cat([x * 2, x[n:]]) * 3, torch.cat([x, rest[n:]]) + 1
+
+
+def test_operands_empty_along_the_concatenated_dim_are_dropped_unless_they_decide_the_dtype():
+    """``cat([y, x[n:]])`` with ``x[n:]`` empty is ``y`` (the slice gone with it); an empty float64 operand that
+    makes a float32 concatenation float64 stays: dropping it would change the result's dtype."""
+    from partitioner.frontend.trace import trace
+
+    x, rest = torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)
+    traced = trace(_AppendedRows(), ((x, rest), {}))
+    cats = [n for n in traced.graph_module.graph.nodes if n.target is torch.ops.aten.cat.default]
+    assert [len(n.args[0]) for n in cats] == [2] and cats[0].meta["val"].dtype == torch.float64
+    for actual, expected in zip(traced.graph_module(x, rest), _AppendedRows()(x, rest)):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+
+
 def test_the_rank_program_copies_no_activation_the_model_did_not_copy():
     """Functionalization turns each eval-mode dropout into a clone (Wan: 6 of its 8 clones; a Flux graph without
     writes keeps its 6 dropouts as ops): a copy of an activation per call that no rank needs. What stays is what

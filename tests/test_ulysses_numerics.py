@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from partitioner.runtime import collectives
 from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
@@ -68,10 +70,42 @@ def _flux(shape, names) -> dict:
                 stopped=partitioned.ctx.sequence_stopped)
 
 
+class PartialRotary(nn.Module):
+    """Wan's rotary, per sample: the first ``len(angles)`` rows rotated (in float64), the rest of the rows appended
+    as they are (``q[i, rotated:]``: empty when the rotary covers the whole length, as it does here)."""
+
+    def __init__(self, width: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x, angles):
+        b, n, width = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).unbind(2)
+        rotated = angles.shape[0]
+        q = torch.stack([torch.cat([(q[i, :rotated].double() * angles.cos()).float(), q[i, rotated:]])
+                         for i in range(b)])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.out(y.transpose(1, 2).reshape(b, n, width))
+
+
+def _partial_rotary(shape, names) -> dict:
+    import partitioner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, x, angles = PartialRotary().eval(), torch.randn(1, 11, 16), torch.randn(11, 1, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x, angles)
+    partitioned = partitioner.partition(model, init_device_mesh("cpu", shape, mesh_dim_names=names), ((x, angles), {}))
+    return dict(expected=expected, actual=partitioned.compile()(x, angles),
+                sharded_at=partitioned.ctx.sequence_sharded_at)
+
+
 def _cases(rank: int, world: int, layout: str) -> dict:
     shape, names = LAYOUTS[layout]
     return dict(plain=_run(rank, world, shape, names, False), dropped=_run(rank, world, shape, names, True),
-                flux=_flux(shape, names))
+                flux=_flux(shape, names), partial_rotary=_partial_rotary(shape, names))
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -93,6 +127,16 @@ def test_flux_matches_single_device(layout):
         torch.testing.assert_close(flux["actual"], flux["expected"], **TOLERANCE)
         # both blocks' attentions: the joint sequence packed from the text and image shards, split back after
         assert flux["report"].count("all_to_all") == 8
+
+
+def test_rows_appended_empty_after_a_rotary_do_not_stop_the_sequence_shard(layout):
+    """The rows a rotary leaves out (``q[i, n:]``, empty at the whole length: a slice along the sharded sequence)
+    are dropped from their concatenation when tracing, so the sequence is sharded from the inputs on: every rank
+    projects only its rows (it was sharded after the rotary, each rank projecting every row). Exact on every rank."""
+    for cases in layout[1]:
+        case = cases["partial_rotary"]
+        torch.testing.assert_close(case["actual"], case["expected"], **TOLERANCE)
+        assert case["sharded_at"] == ["angles", "x"], case["sharded_at"]
 
 
 def test_without_one_exchange_fails(layout):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import inspect
 import operator
 from dataclasses import dataclass, field
@@ -222,17 +223,28 @@ def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
     return False
 
 
-def _drop_legacy_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, functional: bool) -> None:
-    """``torch.cat`` skips a 1-d operand with no elements whatever the others' rank (transformers' key/value cache
-    starts each layer as ``torch.tensor([])`` and concatenates the layer's keys onto it): the operand is removed, and
-    a concatenation of one value is that value (a copy only where the graph returns it or writes in place)."""
-    def legacy_empty(operand) -> bool:
+def _drop_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, functional: bool) -> None:
+    """Operands with no rows along the concatenated dim add nothing: a rotary applied to the first ``n`` rows
+    concatenates the rest, ``x[n:]``, empty when ``n`` is the whole length (WanAnimate 2), and a slice that starts at
+    the end of a sharded sequence has no local meaning. ``torch.cat`` also skips a 1-d operand with no elements
+    whatever the others' rank (transformers' key/value cache starts each layer as ``torch.tensor([])``). Such
+    operands are removed where the rest still give the result's dtype, and a concatenation of one value is that
+    value (a copy only where the graph returns it or writes in place)."""
+    out = cat.meta["val"]
+    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % max(out.dim(), 1)
+
+    def empty(operand) -> bool:
         value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
-        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+        if not isinstance(value, torch.Tensor):
+            return False
+        legacy = value.dim() == 1 and statically_known_true(value.shape[0] == 0)
+        return legacy or (value.dim() == out.dim() and statically_known_true(value.shape[dim] == 0))
     operands = list(cat.args[0])
-    kept = [operand for operand in operands if not legacy_empty(operand)]
-    if len(kept) == len(operands) or not kept or cat.meta["val"].dim() == 1:
+    kept = [operand for operand in operands if not empty(operand)]
+    if len(kept) == len(operands) or not kept or out.dim() == 1:
         return
+    if functools.reduce(torch.promote_types, [operand.meta["val"].dtype for operand in kept]) != out.dtype:
+        return  # (a dropped operand decided the result's dtype)
     if len(kept) == 1 and functional and all(user.op != "output" for user in cat.users):
         cat.replace_all_uses_with(kept[0])
         gm.graph.erase_node(cat)
@@ -299,7 +311,7 @@ def clean_export_graph(gm: torch.fx.GraphModule) -> None:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
         elif node.target is torch.ops.aten.cat.default:
-            _drop_legacy_empty_operands(gm, node, functional)
+            _drop_empty_operands(gm, node, functional)
         elif node.target in _CAT_ALIASES:  # torch.concatenate / torch.concat: cat by another name (LTX's VAEs)
             node.target = torch.ops.aten.cat.default
         elif node.target is torch.ops.aten.baddbmm.default and node.kwargs.get("beta", 1) == 0:
