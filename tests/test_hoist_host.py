@@ -186,28 +186,36 @@ def test_padding_that_would_change_a_result_is_refused():
 
 
 class CutsProjectedText(nn.Module):
-    """A frame-packing DiT's text path: projected rows cut to the mask's count, then a reshape of a permuted view
-    (a clone whose contiguity export can only answer with a guard on the data-dependent size)."""
+    """A frame-packing DiT's text path: projected rows cut to a count, then a reshape of a permuted view (a clone
+    whose contiguity export can only answer with a guard on the data-dependent size). The count comes from the
+    mask (HunyuanVideo Framepack) or from the projected rows themselves (``by_rows``)."""
 
-    def __init__(self):
+    def __init__(self, by_rows: bool = False):
         super().__init__()
-        self.proj = nn.Linear(8, 8)
+        self.proj, self.by_rows = nn.Linear(8, 8), by_rows
 
     def forward(self, text, mask):
-        rows = self.proj(text)[:, : mask.sum(dim=1, dtype=torch.int)[0]]
+        projected = self.proj(text)
+        kept = (projected[..., 0] > 0) if self.by_rows else mask
+        rows = projected[:, : kept.sum(dim=1, dtype=torch.int)[0]]
         return rows.permute(0, 2, 1).reshape(rows.shape[0], -1)
 
 
 def test_a_cut_of_a_computed_value_by_a_data_dependent_length_is_refused_by_name():
-    """Not an InvariantError from the trace's clean-up (a guard on the unbacked size), nor a weight blamed for
-    feeding the host: the cut, the value it cuts and where the length comes from, and what to do."""
+    """Counted from the mask, an input, the model is traced for the mask's values and partitions (it was refused
+    before value specialisation read a slice bound). Counted from the projected rows, the count needs the weights
+    on the host: refused naming the weight, not an InvariantError from the trace's clean-up (a guard on the
+    unbacked size)."""
     inputs = dict(text=torch.randn(1, 5, 8), mask=torch.tensor([[1, 1, 1, 0, 0]]))
-    refused = (DataDependentNumber, r"cuts .*a value the model computes from its weights \(proj\.\w+\), to a length "
-                                    r"read from data .*inputs already cut")
+    refused = (DataDependentNumber, r"p_proj_weight \(proj\.weight\) is a model tensor read by data-dependent host "
+                                    r"code; only forward arguments can feed the host prologue")
     if torch.__version__ < "2.13":  # (torch 2.9's export itself stops at the cut, naming the model: torch_xla's venv)
         refused = (TraceError, r"torch.export could not trace CutsProjectedText")
     with pytest.raises(refused[0], match=refused[1]):
-        partitioner.partition(CutsProjectedText(), {"tp": 2}, ((), inputs))
+        partitioner.partition(CutsProjectedText(by_rows=True), {"tp": 2}, ((), inputs))
+    if torch.__version__ >= "2.13":
+        partitioned = partitioner.partition(CutsProjectedText(), {"tp": 2}, ((), inputs), rank=0)
+        assert torch.equal(partitioned.traced.values[1], inputs["mask"])
 
 
 class StaticCapacityExperts(nn.Module):

@@ -476,6 +476,39 @@ def test_a_number_read_from_a_float_input_is_pinned_and_only_it():
                                             str(failed.read))
 
 
+class _CutAtMaskLength(torch.nn.Module):
+    """HunyuanVideo Framepack: the text rows (computed from weights) cut at the length counted from a float mask
+    with the image rows' ones in front; ``mask.float()`` of a float mask is the mask itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, text, mask):
+        mask = torch.cat([mask.new_ones((1, x.shape[1])), mask.float()], 1)
+        lengths = mask.sum(dim=1, dtype=torch.int)
+        rows = torch.cat([x, self.proj(text)], 1)[:, :lengths[0]]
+        return self.out(rows).sum(1)
+
+
+def test_a_cut_at_a_length_read_from_a_float_mask_is_a_guard():
+    """The length is a slice bound torch reads in C++ (no ``__index__`` the shadow sees): it is read as a number, so
+    the cut has a static size (it was a data-dependent size the host prologue refuses), and guarded: the traced
+    inputs pass their own guard (a step that returns its argument, ``.float()``, once made the replay fail on
+    them), another count is refused. The trace computes what the model does."""
+    from partitioner.frontend.trace import trace
+
+    model, x, text = _CutAtMaskLength(), torch.randn(1, 2, 8), torch.randn(1, 5, 8)
+    mask, other = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    partition(model, {"tp": 2}, ((x, text, mask), {}), rank=0)  # (a DataDependentNumber before)
+    traced = trace(model, ((x, text, mask), {}), specialize_values=True)
+    assert traced.values == {} and [g.expected for g in traced.guards.guards] == [5], traced.guards.guards
+    assert traced.guards.failed([x, text, mask]) is None
+    assert "a slice bound of mask" in str(traced.guards.failed([x, text, other]).read)
+    with torch.no_grad():
+        assert torch.equal(_run_traced(traced, x, text, mask), model(x, text, mask))
+
+
 def test_printing_a_float_input_reads_nothing(capsys):
     """``print(t)`` in forward shows the traced tensor, as export does, and neither pins nor guards the value (a
     guard on its text would trace the model again for every timestep)."""

@@ -70,10 +70,12 @@ class GuardTape:
     def record(self, func, args, kwargs, result, writes: bool) -> int:
         """Write one op on the tape; its step number."""
         template = lambda value: self._template(value)  # noqa: E731
+        # The arguments' slots first: an op may return its argument itself (``x.float()`` of a float tensor, ``.to``
+        # its own dtype), which then takes a new slot that the step must not read.
+        args, kwargs = pytree.tree_map(template, args), pytree.tree_map(template, kwargs)
         outputs = tuple(self._new_slot(leaf) if isinstance(leaf, torch.Tensor) else None
                         for leaf in pytree.tree_leaves(result))
-        self.steps.append(Step(func, pytree.tree_map(template, args), pytree.tree_map(template, kwargs), outputs,
-                               writes))
+        self.steps.append(Step(func, args, kwargs, outputs, writes))
         return len(self.steps) - 1
 
     def _new_slot(self, tensor: torch.Tensor) -> int:

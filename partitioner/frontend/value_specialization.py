@@ -185,6 +185,8 @@ class ValueShadow(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _op_name(func)
         short = name.rsplit(".", 1)[-1]
+        if short in ("__getitem__", "__setitem__") and len(args) > 1:
+            args = (args[0], self._bounds_as_numbers(args[1]), *args[2:])
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shadowed = [t for t in tensors if self._known(t)]
         written = _written(short, args, kwargs)
@@ -285,6 +287,28 @@ class ValueShadow(TorchFunctionMode):
             self.guards.append(ValueGuard(read, step, real))
         elif roots:
             self.reads.append(read)
+
+    def _bounds_as_numbers(self, index):
+        """``index`` (of ``tensor[index]``) with each slice bound that is a number the shadow follows
+        (``text[:, :lengths[0]]``, ``mask[i, :lengths[i]] = True``) replaced by its real value: a read, as
+        ``int(bound)`` is, so the cut has a size the graph knows. (Torch takes such a bound in C++, where no
+        ``__index__`` is called that the shadow would see.)"""
+        parts = index if isinstance(index, tuple) else (index,)
+        numbers = []
+        for part in parts:
+            if isinstance(part, slice):
+                part = slice(*(self._number(bound) for bound in (part.start, part.stop, part.step)))
+            numbers.append(part)
+        return tuple(numbers) if isinstance(index, tuple) else numbers[0]
+
+    def _number(self, bound):
+        if not (isinstance(bound, torch.Tensor) and bound.dim() == 0 and not bound.is_floating_point()
+                and self._known(bound)):
+            return bound
+        real = self._value(bound).item()
+        step = self.tape.record(torch.Tensor.__index__, (bound,), {}, real, False)
+        self._read("a slice bound", self._roots(bound), self._stale_of([bound]), step, real)
+        return real
 
     def _masks_as_indices(self, index, device: torch.device) -> tuple[object, object]:
         """``index`` (of ``tensor[index]``) with every boolean mask computed from the specialised inputs replaced by
