@@ -120,6 +120,22 @@ def test_operands_empty_along_the_concatenated_dim_are_dropped_unless_they_decid
         assert actual.dtype == expected.dtype and torch.equal(actual, expected)
 
 
+class _ViewsTheConcatenation(nn.Module):
+    def forward(self, x):
+        y = x.transpose(0, 1)
+        return torch.cat([y, y[y.shape[0]:]]).view(-1) * 2
+
+
+def test_a_concatenation_left_with_one_transposed_operand_still_copies_it():
+    """Its copy is laid out as the view after it was traced for (review finding: replaced by the transposed operand,
+    the view failed; an as_strided would read the wrong elements)."""
+    from partitioner.frontend.trace import trace
+
+    x = torch.randn(8, 4)
+    traced = trace(_ViewsTheConcatenation(), ((x,), {}))
+    assert torch.equal(traced.graph_module(x)[0], _ViewsTheConcatenation()(x))
+
+
 def test_the_rank_program_copies_no_activation_the_model_did_not_copy():
     """Functionalization turns each eval-mode dropout into a clone (Wan: 6 of its 8 clones; a Flux graph without
     writes keeps its 6 dropouts as ops): a copy of an activation per call that no rank needs. What stays is what

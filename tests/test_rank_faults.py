@@ -200,6 +200,22 @@ def _other_state_structure(rank, world):
     return outcome, error
 
 
+def test_a_call_structure_is_described_without_addresses():
+    """A defaultdict's factory and a type's context enter the signature by name (a TreeSpec's repr prints them with
+    addresses, which differ on every rank: every call would be refused)."""
+    import collections
+
+    import torch.utils._pytree as pytree
+
+    from partitioner.runtime.fingerprints import structure_key
+
+    def factory():
+        return 0
+
+    spec = pytree.tree_flatten(((), dict(options=collections.defaultdict(factory, steps=torch.ones(2)))))[1]
+    assert "0x" not in repr(structure_key(spec)) and "factory" in repr(structure_key(spec))
+
+
 def test_ranks_whose_state_objects_differ_in_structure_refuse_together(pool):
     results = pool.run(_other_state_structure)
     _assert_named([outcome for outcome, _ in results], "InputError", "rank(s) [1] were called with other input "

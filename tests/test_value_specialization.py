@@ -507,6 +507,13 @@ def test_a_cut_at_a_length_read_from_a_float_mask_is_a_guard():
     assert "a slice bound of mask" in str(traced.guards.failed([x, text, other]).read)
     with torch.no_grad():
         assert torch.equal(_run_traced(traced, x, text, mask), model(x, text, mask))
+    bounded = trace(_CutAtTruth(), ((x, mask), {}), specialize_values=True)  # a bool bound: read as 1, as replayed
+    assert bounded.guards.failed([x, mask]) is None
+
+
+class _CutAtTruth(torch.nn.Module):
+    def forward(self, x, mask):
+        return x[:, :(mask.sum() > 0)] * 2
 
 
 def test_printing_a_float_input_reads_nothing(capsys):

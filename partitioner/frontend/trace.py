@@ -245,14 +245,22 @@ def _drop_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, functiona
         return
     if functools.reduce(torch.promote_types, [operand.meta["val"].dtype for operand in kept]) != out.dtype:
         return  # (a dropped operand decided the result's dtype)
-    if len(kept) == 1 and functional and all(user.op != "output" for user in cat.users):
+    if len(kept) == 1 and functional and all(user.op != "output" for user in cat.users) and _same_layout(kept[0], out):
         cat.replace_all_uses_with(kept[0])
         gm.graph.erase_node(cat)
-    else:
+    else:  # (a concatenation of one value still copies it into the layout the ops after it were traced for)
         cat.args = (kept, *cat.args[1:])
     for operand in operands:
         if operand not in kept and isinstance(operand, torch.fx.Node) and not operand.users:
             _erase_unread(gm, operand)
+
+
+def _same_layout(node: torch.fx.Node, value: torch.Tensor) -> bool:
+    """Whether ``node``'s value is laid out as ``value`` is (contiguous, the same strides): what follows a copy may
+    view it (``view``, ``as_strided``) in the copy's layout."""
+    mine = node.meta.get("val")
+    return (isinstance(mine, torch.Tensor) and is_contiguous_or_false(mine) and len(mine.stride()) == value.dim()
+            and all(statically_known_true(a == b) for a, b in zip(mine.stride(), value.stride())))
 
 
 _CAT_ALIASES = (torch.ops.aten.concatenate.default, torch.ops.aten.concat.default)

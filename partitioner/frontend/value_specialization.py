@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import traceback
 import types
 
@@ -305,7 +306,7 @@ class ValueShadow(TorchFunctionMode):
         if not (isinstance(bound, torch.Tensor) and bound.dim() == 0 and not bound.is_floating_point()
                 and self._known(bound)):
             return bound
-        real = self._value(bound).item()
+        real = operator.index(self._value(bound))  # (an int, as the replayed __index__ gives: True is 1)
         step = self.tape.record(torch.Tensor.__index__, (bound,), {}, real, False)
         self._read("a slice bound", self._roots(bound), self._stale_of([bound]), step, real)
         return real

@@ -165,9 +165,30 @@ def call_signature(values: list, exact=(), structure: pytree.TreeSpec | None = N
     """A number that is equal on two ranks when their calls have the same shapes, dtypes and constants, the same
     values at the indices in ``exact`` and the same ``structure`` (the call's pytree spec: two state objects whose
     tensors sit under other attribute names flatten to equal leaves)."""
-    described = [leaf_key(v) for v in values] + [str(structure)]
+    described = [leaf_key(v) for v in values] + [structure_key(structure)]
     described += [value_digest(values[i]) for i in sorted(exact)]
     return _number(repr(described))
+
+
+def structure_key(spec: pytree.TreeSpec | None):
+    """A call's pytree structure, comparable between ranks: each node's type and context, the context's values as
+    ``leaf_key`` describes them (a TreeSpec's repr prints a defaultdict's factory or a registered constant with its
+    address, which differs on every rank)."""
+    if spec is None or spec.is_leaf():
+        return None
+    return (type_name(spec.type), _context_key(spec.context), [structure_key(child) for child in spec.children()])
+
+
+def type_name(cls) -> str:
+    return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', type(cls).__qualname__)}"
+
+
+def _context_key(context):
+    if isinstance(context, (list, tuple)):
+        return [_context_key(part) for part in context]
+    if isinstance(context, type):
+        return type_name(context)
+    return leaf_key(context, generator_state=False)
 
 
 def _number(text: str) -> int:

@@ -200,7 +200,7 @@ class GuidancePairs:
         """Every rank serves this call, or every rank learns that one did not (its ranks would otherwise run a
         program the others skip): one agreement, as a computed call makes."""
         tensors = [(name, value) for name, value in named.items() if isinstance(value, torch.Tensor)]
-        leaves, structure = pytree.tree_flatten(named)
+        leaves, structure = pytree.tree_flatten(((), named))  # (as a computed call's: a rank whose prediction missed)
         with self.guard.exclusive():
             self.guard.agree(None, signature=call_signature(leaves, structure=structure), values=tensors,
                              marker="served by the guidance pair")
