@@ -176,7 +176,8 @@ def structure_key(spec: pytree.TreeSpec | None):
     address, which differs on every rank)."""
     if spec is None or spec.is_leaf():
         return None
-    return (type_name(spec.type), _context_key(spec.context), [structure_key(child) for child in spec.children()])
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # (torch 2.9)
+    return (type_name(spec.type), _context_key(spec.context), [structure_key(child) for child in children])
 
 
 def type_name(cls) -> str:
