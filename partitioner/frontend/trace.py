@@ -215,11 +215,8 @@ def _is_identity(node: torch.fx.Node, functional: bool) -> bool:
         return train is False
     if node.target is torch.ops.aten.clone.default and functional and all(u.op != "output" for u in node.users):
         layout = node.kwargs.get("memory_format", torch.preserve_format)
-        value, copied = source.meta["val"], node.meta.get("val")
         # Known without a guard: a size read from data (an unbacked symbol) leaves the clone in place.
-        return (layout in (torch.preserve_format, torch.contiguous_format) and is_contiguous_or_false(value)
-                and isinstance(copied, torch.Tensor) and len(copied.stride()) == len(value.stride())
-                and all(statically_known_true(a == b) for a, b in zip(copied.stride(), value.stride())))
+        return layout in (torch.preserve_format, torch.contiguous_format) and _same_layout(source, node.meta.get("val"))
     return False
 
 
@@ -255,12 +252,13 @@ def _drop_empty_operands(gm: torch.fx.GraphModule, cat: torch.fx.Node, functiona
             _erase_unread(gm, operand)
 
 
-def _same_layout(node: torch.fx.Node, value: torch.Tensor) -> bool:
-    """Whether ``node``'s value is laid out as ``value`` is (contiguous, the same strides): what follows a copy may
-    view it (``view``, ``as_strided``) in the copy's layout."""
+def _same_layout(node: torch.fx.Node, copy) -> bool:
+    """Whether ``node``'s value is contiguous and laid out as ``copy`` (a traced value) is, known without a guard:
+    what follows a copy may view it (``view``, ``as_strided``) in the copy's layout."""
     mine = node.meta.get("val")
-    return (isinstance(mine, torch.Tensor) and is_contiguous_or_false(mine) and len(mine.stride()) == value.dim()
-            and all(statically_known_true(a == b) for a, b in zip(mine.stride(), value.stride())))
+    return (isinstance(mine, torch.Tensor) and isinstance(copy, torch.Tensor) and is_contiguous_or_false(mine)
+            and len(mine.stride()) == len(copy.stride())
+            and all(statically_known_true(a == b) for a, b in zip(mine.stride(), copy.stride())))
 
 
 _CAT_ALIASES = (torch.ops.aten.concatenate.default, torch.ops.aten.concat.default)

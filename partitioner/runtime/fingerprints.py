@@ -177,19 +177,13 @@ def structure_key(spec: pytree.TreeSpec | None):
     if spec is None or spec.is_leaf():
         return None
     children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # (torch 2.9)
-    return (type_name(spec.type), _context_key(spec.context), [structure_key(child) for child in children])
-
-
-def type_name(cls) -> str:
-    return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', type(cls).__qualname__)}"
+    return (leaf_key(spec.type), _context_key(spec.context), [structure_key(child) for child in children])
 
 
 def _context_key(context):
     if isinstance(context, (list, tuple)):
         return [_context_key(part) for part in context]
-    if isinstance(context, type):
-        return type_name(context)
-    return leaf_key(context, generator_state=False)
+    return leaf_key(context, generator_state=False)  # (a type or a function by its qualified name)
 
 
 def _number(text: str) -> int:
