@@ -161,6 +161,9 @@ class SequenceKind(enum.Enum):
     ULYSSES = "sequence-sharded (Ulysses all_to_all)"
     RING = "sequence-sharded (ring attention: key/value blocks passed round the ring)"
     QUERY_ROWS = "sequence-sharded (query rows; keys and values whole, no communication)"
+    # (the sequence split along what this attention folds into its batch: frames, for attention within each frame)
+    BATCH = ("sequence-sharded (by whole batch entries, such as frames: each rank attends within its own, no "
+             "communication)")
     SINGLE_QUERY = "whole on every rank: a single query row (a pooling) has no rows to split"
     WHOLE = "not sequence-sharded"
 
@@ -175,7 +178,7 @@ class AttentionSequence:
 
     @property
     def sharded(self) -> bool:
-        return self.kind in (SequenceKind.ULYSSES, SequenceKind.RING, SequenceKind.QUERY_ROWS)
+        return self.kind in (SequenceKind.ULYSSES, SequenceKind.RING, SequenceKind.QUERY_ROWS, SequenceKind.BATCH)
 
     @property
     def why(self) -> str:

@@ -12,6 +12,7 @@ splits: the block has no self-attention SDPA) and a convolutional feed-forward (
   neighbour: a halo exchange). Sequence rows that are not whole image rows on every rank are gathered before the
   convolution instead.
 - TP=2 x Ulysses=2: both.
+- The normaliser written as the keys summed over the rows (diffusers' Sana processors): a partial sum, all_reduced.
 Exact on every rank against the unpartitioned block (1e-5, float32 with sums reordered, as test_tp_numerics), with
 negative controls that drop the halo exchange and the attention's all_reduce, which must then be wrong.
 """
@@ -39,14 +40,14 @@ def _without_halo(x, weight, bias, stride, padding, dilation, groups, *_):
     return padded_convolution(x, weight, bias, stride, padding, dilation, groups)
 
 
-def _case(rank, world, mode, height, broken):
+def _case(rank, world, mode, height, broken, key_sum=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from partitioner import partition
     from partitioner.runtime import collectives
 
     torch.manual_seed(0)
-    model = ConvLinearAttentionBlock(height=height).eval()
+    model = ConvLinearAttentionBlock(height=height, key_sum=key_sum).eval()
     x, text = torch.randn(1, height * 6, 32), torch.randn(1, 5, 16)
     shape, names = MODES[mode]
     with mock.patch.object(collectives, "halo_convolution", _without_halo) if broken == "halo" \
@@ -74,8 +75,8 @@ def pools():
         yield {2: two, 4: four}
 
 
-def _run(pools, mode, height=6, broken=None):
-    return pools[math.prod(MODES[mode][0])].run(_case, mode, height, broken)
+def _run(pools, mode, height=6, broken=None, key_sum=False):
+    return pools[math.prod(MODES[mode][0])].run(_case, mode, height, broken, key_sum)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -95,6 +96,22 @@ def test_conv_feed_forward_and_linear_attention_are_exact(pools, mode):
         assert first["collectives"].get("halo_exchange:ulysses") == 1, first["collectives"]
         assert first["collectives"].get("all_reduce:ulysses") == 1, first["collectives"]
         assert not any(key.startswith("all_to_all") for key in first["collectives"]), first["collectives"]
+
+
+@pytest.mark.parametrize("broken", [None, "all_reduce"])
+def test_a_normaliser_summing_the_keys_over_the_rows_is_a_partial_sum(pools, broken):
+    """diffusers' Sana processors normalise by the keys summed over the sequence (``k.sum`` over the rows): under
+    Ulysses each rank sums its rows and the ``[heads, 1, d]`` sum is all_reduced with the ``v^T k`` state (the rows
+    stay split; a reduction over them was refused, which left SanaVideo's first block whole). Dropping the
+    all_reduces must be wrong."""
+    results = _run(pools, "ulysses2", broken=broken, key_sum=True)
+    if broken:
+        assert max(r["error"] for r in results) > 100 * TOLERANCE, results
+        return
+    assert all(r["error"] <= TOLERANCE for r in results), results
+    collectives = results[0]["collectives"]
+    assert collectives.get("all_reduce:ulysses") == 2 and collectives.get("halo_exchange:ulysses") == 1, collectives
+    assert not any(key.startswith("all_to_all") for key in collectives), collectives
 
 
 def test_uneven_image_rows_are_gathered_before_the_convolution(pools):

@@ -12,8 +12,7 @@ from torch import nn
 
 import partitioner
 from partitioner.runtime import collectives
-from partitioner.testing import run_ranks
-from test_ulysses_numerics import _no_exchange
+from partitioner.testing import no_exchange, run_ranks
 
 
 class FoldedAttention(nn.Module):
@@ -78,7 +77,7 @@ def _ranks(rank, world, drop_exchange: bool):
                                             ((x, context, context_mask), {}))
         if drop_exchange:  # the negative control: the self-attention's output never goes back to its rows
             exchanges = [n for n in partitioned.graph_module.graph.nodes if n.target is collectives.all_to_all_start]
-            exchanges[-1].target = _no_exchange
+            exchanges[-1].target = no_exchange
             partitioned.graph_module.recompile()
         actual = partitioned.compile()(x, context, context_mask)
     kinds = {where: str(decided) for where, decided in partitioned.ctx.sequence_attention.items()}

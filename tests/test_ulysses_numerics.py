@@ -18,22 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from partitioner.runtime import collectives
-from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, run_ranks, tiny_flux, tiny_h3
+from partitioner.testing import TINY_H3, flux_inputs, h3_inputs, no_exchange, run_ranks, tiny_flux, tiny_h3
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 HEADS = 6
 LAYOUTS = {"u2": ((2,), ("ulysses",)), "u4": ((4,), ("ulysses",)), "tp2_u2": ((2, 2), ("tp", "ulysses"))}
-
-
-def _no_exchange(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, index, order, group_name,
-                 exchange_dtype=None):
-    """The pieces an all_to_all receives, built from this rank's own rows only: what a missing exchange computes."""
-    order = order or list(range(x.dim()))
-    x, scatter_dim, gather_dim = x.permute(order), order.index(scatter_dim), order.index(gather_dim)
-    own = x.split(scatter_sizes, dim=scatter_dim)[index]
-    rows = torch.arange(sum(gather_sizes)) % own.shape[gather_dim]
-    pieces = own.index_select(gather_dim, rows).split(gather_sizes, dim=gather_dim)
-    return torch.cat([piece.reshape(-1) for piece in pieces])
 
 
 def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
@@ -49,7 +38,7 @@ def _run(rank: int, world: int, shape, names, drop_exchange: bool) -> dict:
     shapes = {n.args[0].name: (tuple(n.args[0].meta["val"].shape), tuple(next(iter(n.users)).meta["val"].shape))
               for n in main}
     if drop_exchange:
-        exchanges[-1].target = _no_exchange  # the last attention's output, back to sequence sharding
+        exchanges[-1].target = no_exchange  # the last attention's output, back to sequence sharding
         partitioned.graph_module.recompile()
     actual = partitioned.compile()(**inputs, return_dict=False)
     return dict(expected=expected, actual=actual, report=partitioned.report(), shapes=shapes,

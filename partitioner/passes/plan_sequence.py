@@ -76,6 +76,18 @@ def _candidates(rows: SequenceDims, feeds_attention: set[Node], parts: bool) -> 
             and (parts or node in rows.direct)}
 
 
+def _earliest_ambiguous(rows: SequenceDims, feeds_attention: set[Node], gm: GraphModule) -> dict[Node, int]:
+    """When every value that carries rows carries two kinds (a factorised video block: attention within each frame,
+    frames folded into the batch, then across frames, positions folded into the batch), sharding starts once, at
+    the earliest such value along its outermost row dim: the propagation lays the rest out (one kind of attention
+    then runs on its own batch entries, the other exchanges), and an outer dim stays a contiguous shard where a
+    view folds it with the inner one."""
+    for node in gm.graph.nodes:
+        if node in rows.ambiguous and node in feeds_attention and node in rows.attended:
+            return {node: min(rows.row_dims[node])}
+    return {}
+
+
 def _convolved_rows(gm: GraphModule, model_tensors: set[Node]) -> dict[Node, int]:
     """Without an attention to read rows from (a VAE with no mid-block attention, an audio VAE): the input of
     every convolution, split along its height (its first spatial dim of the last two; a 1D signal's time), so that
@@ -260,6 +272,7 @@ def _plan_axis(gm: GraphModule, ctx: PassContext, axis: str, joint_parts: bool) 
     if ctx.mesh.size(axis) > 1:
         seeds = (_given_seeds(gm, given, axis) if given is not None
                  else _candidates(rows, feeds_attention - model_tensors, parts=ctx.mesh.per_rank and joint_parts)
+                 or _earliest_ambiguous(rows, feeds_attention - model_tensors, gm)
                  or _convolved_rows(gm, model_tensors))
     refused: dict[Node, Unshardable] = {}
     stopped: dict[str, str] = {}  # this axis's seeds that were given up, and why
@@ -354,6 +367,8 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
             found[where] = AttentionSequence(SequenceKind.RING)
         elif getattr(output, "dim", None) == rows:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
+        elif getattr(output, "dim", rows) < rows - 1:  # its batch entries carry the sequence split (frames)
+            found[where] = AttentionSequence(SequenceKind.BATCH)
         elif node in refused:
             found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node].detail, refused[node].where)
         else:

@@ -137,6 +137,23 @@ def tensor_parallel_sum(node: Node, placements, axis_size: int) -> Decision:
     return reduction(node, placements, axis_size)
 
 
+@register(aten.sum.dim_IntList, aten.mean.dim, axis="sequence")
+def sequence_sum(node: Node, placements, axis_size: int) -> Decision:
+    """sum / mean over the sharded rows of a sequence: each rank reduces its rows, the result is a partial sum
+    (a mean scaled by its share of the rows, ``insert_collectives``) reduced where it is consumed: a linear
+    attention's key sum (``k.sum(-1)``, its normaliser) costs one all_reduce of ``[heads, d]`` instead of the
+    sequence gathered. amax / amin over the rows stay refused (a partial maximum is not a partial sum)."""
+    source = node.args[0]
+    placement = placements.get(source, R)
+    if is_sharded(placement):
+        ndim = len(shape_of(source))
+        dims = node.args[1] if len(node.args) > 1 else None
+        dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in dims]
+        if placement.dim in dims:
+            return Decision(Partial(), {source: placement})
+    return reduction(node, placements, axis_size)
+
+
 @register(aten.rms_norm.default, aten.layer_norm.default, axis="tensor")
 def tensor_parallel_norm(node: Node, placements, axis_size: int) -> Decision:
     """rms_norm / layer_norm over a last dim that is column-sharded: each rank normalises its features with the

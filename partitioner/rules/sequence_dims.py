@@ -47,6 +47,7 @@ class SequenceDims:
     # self-attention); rows that are only ever keys and values (a text every image row attends to) are not
     attended: set[Node] = field(default_factory=set)
     ambiguous: set[Node] = field(default_factory=set)  # values reached with two different row dims
+    row_dims: dict[Node, set[int]] = field(default_factory=dict)  # every row dim each value was reached with
 
     def dim(self, node: Node) -> int | None:
         return None if node in self.ambiguous else self.dims.get(node)
@@ -137,6 +138,7 @@ def find_sequence_dims(gm: GraphModule, rule_of: Callable[[Node], Callable],
     def record(node: Node, dim: int) -> bool:
         """Note ``node``'s row dim; True the first time it is seen."""
         known = found.dims.get(node)
+        found.row_dims.setdefault(node, set()).add(dim)
         if known is not None and known != dim:
             found.ambiguous.add(node)
         if known is None:

@@ -254,11 +254,13 @@ class MaskedAttention(ViewHeads):
 class ConvLinearAttentionBlock(nn.Module):
     """Sana's op families in a block of our own: a linear attention spelled out with matmuls (ReLU kernel, a row of
     ones padded onto the values for the normaliser), a cross-attention to text rows, and a convolutional
-    feed-forward (1x1 -> 3x3 depthwise -> gated halves -> 1x1) over the image its ``height`` x ``width`` rows make."""
+    feed-forward (1x1 -> 3x3 depthwise -> gated halves -> 1x1) over the image its ``height`` x ``width`` rows make.
+    With ``key_sum`` the normaliser is written as diffusers' Sana processors write it: the keys summed over the
+    rows (``k.sum``), then multiplied by the queries."""
 
-    def __init__(self, dim=32, heads=4, hidden=24, height=6, width=6):
+    def __init__(self, dim=32, heads=4, hidden=24, height=6, width=6, key_sum=False):
         super().__init__()
-        self.heads, self.height, self.width = heads, height, width
+        self.heads, self.height, self.width, self.key_sum = heads, height, width, key_sum
         self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
         self.cross_q, self.cross_out = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.cross_kv = nn.Linear(16, 2 * dim)
@@ -270,6 +272,8 @@ class ConvLinearAttentionBlock(nn.Module):
     def attention(self, x):
         q, k, v = (t.transpose(1, 2).unflatten(1, (self.heads, -1)) for t in (self.q(x), self.k(x), self.v(x)))
         q, k = F.relu(q), F.relu(k).transpose(2, 3)
+        if self.key_sum:  # [b, heads, d, rows] @ [b, heads, rows, d] @ [b, heads, d, rows]
+            return self.out(((v @ k) @ q / (k.sum(2, keepdim=True) @ q + 1e-15)).flatten(1, 2).transpose(1, 2))
         v = F.pad(v, (0, 0, 0, 1), value=1.0)
         out = (v @ k) @ q
         out = out[:, :, :-1] / (out[:, :, -1:] + 1e-15)
@@ -291,6 +295,29 @@ class ConvLinearAttentionBlock(nn.Module):
         return x + self.feed_forward(self.norm(x))
 
 
+class SpatialTemporalBlock(nn.Module):
+    """A factorised video block as Latte writes one: attention within each frame (frames folded into the batch:
+    ``[batch * frames, positions, dim]``), then across frames at each position (positions folded into the batch:
+    ``[batch * positions, frames, dim]``), then cross-attention to text rows repeated for every frame."""
+
+    def __init__(self, frames=4, positions=6, heads=4, dim=32):
+        super().__init__()
+        self.frames, self.positions = frames, positions
+        self.spatial, self.temporal = ViewHeads(heads, dim), ViewHeads(heads, dim)
+        self.cross_q, self.cross_kv, self.cross_out = nn.Linear(dim, dim), nn.Linear(16, 2 * dim), nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x, text):  # x: [batch * frames, positions, dim], text: [batch, text rows, 16]
+        x = x + self.spatial(x)
+        by_position = x.unflatten(0, (-1, self.frames)).transpose(1, 2).flatten(0, 1)
+        by_position = by_position + self.temporal(by_position)
+        x = by_position.unflatten(0, (-1, self.positions)).transpose(1, 2).flatten(0, 1)
+        k, v = (t.repeat_interleave(self.frames, 0).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                for t in self.cross_kv(text).chunk(2, dim=-1))
+        q = self.cross_q(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        return x + self.cross_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
 def idiom_cases() -> dict:
     """Small models written the ways people write fused projections, joint attention, masks and reshapes:
     name -> (model factory, forward kwargs)."""
@@ -309,4 +336,4 @@ def idiom_cases() -> dict:
     }
 
 
-__all__ = ['ConvLinearAttentionBlock', 'FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3', 'with_lora']
+__all__ = ['ConvLinearAttentionBlock', 'FULL_H3_ROWS', 'H3DenoiseStep', 'JointAttention', 'LikeOps', 'MaskedAttention', 'SpatialTemporalBlock', 'SplitSwiGLU', 'TINY_COGVIDEOX', 'TINY_COGVIEW4', 'TINY_H3', 'ViewHeads', 'cogvideox_inputs', 'cogvideox_rotary', 'cogview4_inputs', 'denoise_inputs', 'flux_cfg_inputs', 'flux_inputs', 'full_h3_on_meta', 'h3_inputs', 'idiom_cases', 'tiny_cogvideox', 'tiny_cogview4', 'tiny_flux', 'tiny_h3', 'with_lora']

@@ -125,9 +125,10 @@ class _Annotator(Interpreter):
         return target(*args, **kwargs)
 
     def _ring_axis(self, node: Node) -> str | None:
-        key = node.args[1]
+        key = node.args[1]  # (split along its rows: keys split along the batch are each rank's own)
         return next((axis for axis in RING_AXES if axis in self.mesh.axis_names and self.mesh.size(axis) > 1
-                     and is_sharded(annotation(node).required.get(axis, {}).get(key))), None)
+                     and is_sharded(keys := annotation(node).required.get(axis, {}).get(key))
+                     and keys.dim == key.meta["val"].dim() - 2), None)
 
     def _ring(self, node: Node, axis: str, args, kwargs):
         """An attention whose keys the ring shards (``ops._ring_attention``). Only equal blocks of a plain sequence
