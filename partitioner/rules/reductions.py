@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import Node
 
 from ..placement import Partial, is_sharded
-from .core import Decision, R, Unshardable, norm_dim, register, same_as_input, shape_of, with_dim
+from ..mesh import SEQUENCE_AXES
+from .core import (Decision, R, Unshardable, norm_dim, register, register_factory, same_as_input, shape_of,
+                   with_dim)
 
 aten = torch.ops.aten
 
@@ -103,14 +107,23 @@ _ON_THE_WAY = {aten.pow.Tensor_Scalar, aten._to_copy.default, aten.to.dtype, ate
                aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor}
 
 
-def _projected(node: Node, steps: int = 6) -> bool:
-    """``node`` is a Linear's output, perhaps cast, squared (``x.float().pow(2)``) or scaled and shifted per
-    feature (a quantised Linear's scales and bias, applied after its product): a column-parallel region whose norm
-    pays one small all_reduce to stay sharded. A norm of anything else (the residual stream after a gated add) is
-    not split: its consumers would turn row-parallel, trading small reductions for large ones."""
+# Ops that rearrange one value without computing (a fused projection's heads viewed apart, unbound into q, k, v).
+_REARRANGING = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unbind.int,
+                aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
+
+
+def _projected(node: Node, steps: int = 8) -> bool:
+    """``node`` is a Linear's output, perhaps cast, squared (``x.float().pow(2)``), scaled and shifted per
+    feature (a quantised Linear's scales and bias, applied after its product) or rearranged (a fused q, k, v
+    projection viewed into heads and unbound): a column-parallel region whose norm pays one small all_reduce to
+    stay sharded. A norm of anything else (the residual stream after a gated add) is not split: its consumers
+    would turn row-parallel, trading small reductions for large ones."""
     for _ in range(steps):
         if node.target is aten.linear.default:
             return True
+        if node.target in _REARRANGING and isinstance(node.args[0], Node):
+            node = node.args[0]
+            continue
         if node.target not in _ON_THE_WAY:
             return False
         full = {n for n in node.all_input_nodes if shape_of(n) == shape_of(node)}
@@ -137,7 +150,14 @@ def tensor_parallel_sum(node: Node, placements, axis_size: int) -> Decision:
     return reduction(node, placements, axis_size)
 
 
-@register(aten.sum.dim_IntList, aten.mean.dim, axis="sequence")
+@register_factory(aten.sum.dim_IntList, axis="sequence")
+@register_factory(aten.mean.dim, axis="sequence")
+def make_sequence_sum(roles, axis: str):
+    """Over a sequence axis, a reduction over the split rows is a partial sum; over a batch axis (dp, cfg) it is
+    refused: each rank's batch entries are computed on their own, with no collective in between."""
+    return sequence_sum if axis in SEQUENCE_AXES else reduction
+
+
 def sequence_sum(node: Node, placements, axis_size: int) -> Decision:
     """sum / mean over the sharded rows of a sequence: each rank reduces its rows, the result is a partial sum
     (a mean scaled by its share of the rows, ``insert_collectives``) reduced where it is consumed: a linear
