@@ -114,6 +114,44 @@ def test_a_normaliser_summing_the_keys_over_the_rows_is_a_partial_sum(pools, bro
     assert not any(key.startswith("all_to_all") for key in collectives), collectives
 
 
+class _PooledHeads(torch.nn.Module):
+    """A self-attention, then its rows pooled (a mean over the split rows: a partial sum) and read by two Linears
+    with biases in a row and by a norm."""
+
+    def __init__(self):
+        super().__init__()
+        from partitioner.testing import ViewHeads
+        self.attention, self.first, self.second = ViewHeads(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        pooled = self.attention(x).mean(1)
+        return self.second(self.first(pooled)), torch.nn.functional.layer_norm(pooled, (32,))
+
+
+def _pooled(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from partitioner import partition
+
+    torch.manual_seed(0)
+    model, x = _PooledHeads().eval(), torch.randn(1, 7, 32)
+    partitioned = partition(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ulysses",)), ((x,), {}))
+    with torch.no_grad():
+        expected = model(x)
+    got = partitioned.compile()(x)
+    return dict(error=max((g - e).abs().max().item() for g, e in zip(got, expected)),
+                collectives={f"{k}:{a}": n for (k, a), n in partitioned.collective_counts().items()})
+
+
+def test_a_mean_of_the_split_rows_is_summed_once_before_a_linear_and_a_norm(pools):
+    """The mean of 7 rows (4 + 3) is each rank's mean scaled by its share, all_reduced once; a Linear reading the
+    partial value took it as partial and each rank added its bias (two Linears in a row: off by a bias), and a norm
+    reading it too could not be planned."""
+    results = pools[2].run(_pooled)
+    assert all(r["error"] <= TOLERANCE for r in results), results
+    assert results[0]["collectives"].get("all_reduce:ulysses") == 1, results[0]["collectives"]
+
+
 def test_uneven_image_rows_are_gathered_before_the_convolution(pools):
     """5 image rows over 2 ranks: the 30 sequence rows split 15 + 15 under Ulysses (plain shards), not whole image
     rows of 6, so they do not regroup into the image: no halo exchange, the image is gathered, still exact."""

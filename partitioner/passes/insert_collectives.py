@@ -33,6 +33,7 @@ from ..kinds import CollectiveKind
 from ..placement import (InnerShard, PackedShard, Partial, Replicate, Shard, block_offsets, delivery_order, is_sharded,
                          local_shape, packed_shard, shard_slices, shard_widths)
 from ..rules import PartitionError
+from ..rules.reductions import all_dims
 from ..rules.attention import FLEX_ATTENTION
 from ..rules.pointwise import METADATA_ARGUMENTS
 from ..source import source_line
@@ -374,8 +375,7 @@ def _scale_partial_means(gm: GraphModule, ctx: PassContext) -> None:
             continue
         source = node.args[0]
         shape, local = source.meta["val"].shape, _required_local_shape(node, source, ctx)
-        dims = [d % len(shape) for d in node.args[1]] if len(node.args) > 1 and node.args[1] is not None \
-            else list(range(len(shape)))
+        dims = all_dims(node.args[1] if len(node.args) > 1 else None, len(shape))
         share = math.prod(local[d] for d in dims) / math.prod(shape[d] for d in dims)
         users = list(node.users)
         with gm.graph.inserting_after(node):

@@ -66,6 +66,7 @@ def row_local_linear(node: Node, placements, axis_size: int) -> Decision:
     px = placements.get(x, R)
     if is_sharded(px) and px.dim == len(shape_of(x)) - 1:
         raise Unshardable("features sharded over a sequence-parallel axis")
+    px = R if isinstance(px, Partial) else px  # a partial sum (a mean of the rows) is summed first: one bias added
     inputs = {n: R for n in node.all_input_nodes}
     inputs[x] = px
     return Decision(px, inputs)

@@ -40,8 +40,7 @@ def _reduced(node: Node, placements, dims, keepdim: bool) -> Decision:
     if not is_sharded(placement):
         return decision
     ndim = len(shape_of(source))
-    dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim)
-                                                   for d in ([dims] if isinstance(dims, int) else dims)]
+    dims = all_dims(dims, ndim)
     if placement.dim in dims:
         raise Unshardable(f"{node.target.__name__} reduces over the sharded dim {placement.dim}")
     shift = 0 if keepdim else sum(d < placement.dim for d in dims)
@@ -141,12 +140,9 @@ def tensor_parallel_sum(node: Node, placements, axis_size: int) -> Decision:
     norm written out (``x.pow(2).mean(-1)``) over q/k projections costs one all_reduce of ``[rows, 1]``."""
     source = node.args[0]
     placement = placements.get(source, R)
-    if is_sharded(placement):
-        ndim = len(shape_of(source))
-        dims = node.args[1] if len(node.args) > 1 else None
-        dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in dims]
-        if placement.dim in dims and _projected(source):
-            return Decision(Partial(), {source: placement})
+    if is_sharded(placement) and placement.dim in all_dims(node.args[1] if len(node.args) > 1 else None,
+                                                           len(shape_of(source))) and _projected(source):
+        return Decision(Partial(), {source: placement})
     return reduction(node, placements, axis_size)
 
 
@@ -165,13 +161,17 @@ def sequence_sum(node: Node, placements, axis_size: int) -> Decision:
     sequence gathered. amax / amin over the rows stay refused (a partial maximum is not a partial sum)."""
     source = node.args[0]
     placement = placements.get(source, R)
-    if is_sharded(placement):
-        ndim = len(shape_of(source))
-        dims = node.args[1] if len(node.args) > 1 else None
-        dims = list(range(ndim)) if dims is None else [norm_dim(d, ndim) for d in dims]
-        if placement.dim in dims:
-            return Decision(Partial(), {source: placement})
+    if is_sharded(placement) and placement.dim in all_dims(node.args[1] if len(node.args) > 1 else None,
+                                                           len(shape_of(source))):
+        return Decision(Partial(), {source: placement})
     return reduction(node, placements, axis_size)
+
+
+def all_dims(dims, ndim: int) -> list[int]:
+    """A reduction's dims, non-negative; None or an empty list reduces every dim (``x.sum(dim=())`` as aten has
+    it)."""
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    return [norm_dim(d, ndim) for d in dims] or list(range(ndim))
 
 
 @register(aten.rms_norm.default, aten.layer_norm.default, axis="tensor")
