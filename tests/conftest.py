@@ -7,6 +7,14 @@ from __future__ import annotations
 
 import pytest
 
+
+def pytest_sessionstart(session):
+    """Ranks fork from a server that imported torch and this package once (``testing.ranks.start_method``): start
+    it now, with the session's environment, before any test changes it."""
+    from partitioner.testing.ranks import start_ranks_server
+
+    start_ranks_server()
+
 SLOW = {
     "test_bad_input": ("test_call_with_wrong_shape", "test_unknown_mesh_dim_name",),
     "test_batch_parallel": ("test_batch_axis_is_exact_and_exchanges_only_the_outputs",),
