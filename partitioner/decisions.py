@@ -162,8 +162,8 @@ class SequenceKind(enum.Enum):
     RING = "sequence-sharded (ring attention: key/value blocks passed round the ring)"
     QUERY_ROWS = "sequence-sharded (query rows; keys and values whole, no communication)"
     # (the sequence split along what this attention folds into its batch: frames, for attention within each frame)
-    BATCH = ("sequence-sharded (by whole batch entries, such as frames: each rank attends within its own, no "
-             "communication)")
+    BATCH = ("sequence-sharded (by whole batch entries, such as frames, or heads: each rank attends within its own, "
+             "no communication)")
     SINGLE_QUERY = "whole on every rank: a single query row (a pooling) has no rows to split"
     WHOLE = "not sequence-sharded"
 

@@ -10,10 +10,14 @@ import pytest
 
 def pytest_sessionstart(session):
     """Ranks fork from a server that imported torch and this package once (``testing.ranks.start_method``): start
-    it now, with the session's environment, before any test changes it."""
+    it now, with the session's environment, before any test changes it; what ranks print goes to a log file, not
+    between pytest's progress dots (a failing rank's traceback is in the test's failure)."""
+    import os
+    import tempfile
+
     from partitioner.testing.ranks import start_ranks_server
 
-    start_ranks_server()
+    start_ranks_server(output=os.path.join(tempfile.gettempdir(), f"partitioner-ranks-{os.getpid()}.log"))
 
 SLOW = {
     "test_bad_input": ("test_call_with_wrong_shape", "test_unknown_mesh_dim_name",),

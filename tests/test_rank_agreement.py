@@ -22,6 +22,15 @@ TIMEOUT = 6.0  # seconds, every collective of these partitions
 TOLERANCE = 1e-5  # float32, sharding reorders sums only (see test_tp_numerics)
 
 
+@pytest.fixture(autouse=True)
+def spawned_ranks(monkeypatch):
+    """Ranks started as a job's are, each its own interpreter (spawn: its own string-hash seed and imports), not
+    forked from the test session's server: agreement must hold between ranks that share nothing."""
+    from partitioner.testing import ranks
+
+    monkeypatch.setattr(ranks, "start_method", lambda: "spawn")
+
+
 def _mesh(shape, names):
     from torch.distributed.device_mesh import init_device_mesh
 

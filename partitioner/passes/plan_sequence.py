@@ -361,13 +361,13 @@ def _record_attentions(attentions: list[Node], decisions: dict, refused: dict[No
         rows = len(shape_of(q) or (1, 1, 1, 1)) - 2  # (a written attention may fold batch and heads: 3-D)
         if (shape_of(q) or (1, 1))[-2] == 1:  # one query (a pooling): no rows to split, a negligible cost
             found[where] = AttentionSequence(SequenceKind.SINGLE_QUERY)
-        elif output == Shard(rows - 1):  # runs on a head shard: q, k and v were exchanged to it
+        elif output == Shard(rows - 1) and decision.visible not in (None, output):  # exchanged to a head shard
             found[where] = AttentionSequence(SequenceKind.ULYSSES)
         elif getattr(output, "dim", None) == rows and any_sharded(decision.inputs.get(k, R)):
             found[where] = AttentionSequence(SequenceKind.RING)
         elif getattr(output, "dim", None) == rows:  # this rank's query rows over whole keys, values
             found[where] = AttentionSequence(SequenceKind.QUERY_ROWS)
-        elif getattr(output, "dim", rows) < rows - 1:  # its batch entries carry the sequence split (frames)
+        elif getattr(output, "dim", rows) < rows:  # its batch entries (or heads) carry the split, as they come
             found[where] = AttentionSequence(SequenceKind.BATCH)
         elif node in refused:
             found[where] = AttentionSequence(SequenceKind.WHOLE, refused[node].detail, refused[node].where)

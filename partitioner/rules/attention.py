@@ -138,7 +138,7 @@ def ring_attention(node: Node, placements, axis_size: int) -> Decision:
     causal), so a packed joint sequence works as it is."""
     q, k, v = node.args[:3]
     sharded = sharded_inputs(node, placements)
-    if not sharded or all(p.dim == 0 for p in sharded.values()):  # (by batch entries: each rank's own, local)
+    if not sharded or all(p.dim < 2 for p in sharded.values()):  # (by batch entries or heads: each rank's own)
         return attention(node, placements, axis_size)
     masks = [n for n in node.all_input_nodes if n not in (q, k, v)]
     if any(n in sharded for n in masks):

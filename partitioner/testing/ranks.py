@@ -29,6 +29,7 @@ def _worker(rank: int, world: int, out_dir: str, fn, args) -> None:
     # connections use loopback ports the OS assigns.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    _fresh_seed()
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -53,28 +54,52 @@ def _exit_rank() -> None:
     os._exit(0)
 
 
-# What every rank imports: a forkserver that imported it once forks each rank from it (a fresh process, as spawn
-# gives, without each rank importing torch, diffusers and this package again: 5 to 8 s per rank on 2 cores).
+# What every rank imports: a forkserver that imported it once forks each rank from it, without each rank importing
+# torch, diffusers and this package again (5 to 8 s per rank on 2 cores). Unlike spawn, every rank shares the
+# server's string-hash seed and imports what the server found on its path; its torch seed is drawn afresh
+# (``_fresh_seed``). The rank-agreement tests keep spawn: ranks there must be as independent as a job's.
 _PRELOAD = ["torch", "torch.distributed", "torch.export", "partitioner", "partitioner.testing", "diffusers",
             "transformers"]
 
 
 def start_method() -> str:
     """"forkserver" where the platform has it (its server preloads ``_PRELOAD``), else "spawn". The server starts
-    on first use, with the environment of that moment: a rank sees that environment, not the caller's later one
-    (``start_ranks_server`` starts it early)."""
+    on first use, with the environment and the standard streams of that moment: a rank sees those, not the
+    caller's later ones (``start_ranks_server`` starts it early)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(_PRELOAD)  # (no effect once the server runs)
     return "forkserver"
 
 
-def start_ranks_server() -> None:
+def start_ranks_server(output: str | None = None) -> None:
     """Start the server ranks fork from now, with the current environment (a test session's, before any test
-    changes it)."""
-    if start_method() == "forkserver":
-        from multiprocessing import forkserver
+    changes it); with ``output``, the ranks' stdout and stderr go to that file (a rank's own traceback still
+    reaches the caller in ``RankFailure``)."""
+    if start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+    if output is None:
         forkserver.ensure_running()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(output, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            forkserver.ensure_running()
+    finally:
+        for fd, copy in enumerate(saved, start=1):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def _fresh_seed() -> None:
+    """A forked rank starts from the server's torch seed, the same on every rank: draw its own, as a spawned one
+    has (a rank that forgets to seed must not agree with the others by accident)."""
+    torch.seed()
 
 
 def run_ranks(world: int, fn, *args) -> list:
@@ -135,6 +160,7 @@ def drop_all_reduce(partitioned, module_path: str) -> None:
 def _pool_worker(rank: int, world: int, out_dir: str, tasks, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    _fresh_seed()
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     for fn, args in iter(tasks.get, None):
         try:
