@@ -27,8 +27,8 @@ from ..errors import InvariantError
 from ..kinds import CollectiveKind
 from ..mesh import SEQUENCE_AXES
 from ..placement import PackedShard, Replicate, delivery_order, is_sharded, shard_slices
-from ..rules import PartitionError, shape_of
-from ..rules.attention import FLEX_ATTENTION, RING_AXES
+from ..rules import PartitionError
+from ..rules.attention import FLEX_ATTENTION, ring_split_axes
 from ..rules.conv import (GROUPS_ARGUMENT, conv_arguments, groups_of, halo_rows, output_padding_of, pad_mode,
                           padding_pairs)
 from ..rules.spatial import INTERPOLATING
@@ -58,7 +58,7 @@ def check(gm: GraphModule, ctx: PassContext) -> None:
     """Postcondition: no attention is left with ring-sharded keys, no convolution with rows split along a spatial
     dim."""
     for node in gm.graph.nodes:
-        if node.target is _ATTENTION and _ring_axes(node):
+        if node.target is _ATTENTION and ring_split_axes(node):
             raise InvariantError(f"{node.name}: an attention over ring-sharded keys is not a ring_attention")
         if node.target in GROUPS_ARGUMENT and node.target not in _HALOS:
             if any(halo_rows(node, p.dim) != (0, 0) for p in _spatial_axes(node).values()):
@@ -181,7 +181,7 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
         if node.target is not _ATTENTION:
             continue
         q, k, v = node.args[:3]
-        axes = _ring_axes(node)
+        axes = ring_split_axes(node)
         if not axes:
             continue
         if len(axes) > 1:
@@ -197,14 +197,6 @@ def _ring_attentions(gm: GraphModule, ctx: PassContext) -> None:
                      *((mask, columns) if mask is not None else ()))
         node.kwargs = {}
         annotation(node).collective = (CollectiveKind.RING_PASS, axis)
-
-
-def _ring_axes(node: Node) -> list[str]:
-    """The ring axes that split an attention's keys along their rows (keys split along the batch, frames for an
-    attention within each frame, are each rank's own: no ring)."""
-    k, required = node.args[1], annotation(node).required or {}
-    return [axis for axis in RING_AXES if axis in required and is_sharded(keys := required[axis].get(k, R))
-            and keys.dim == len(shape_of(k)) - 2]
 
 
 def _attention_mask(node: Node) -> Node | None:

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from ..placement import PackedShard, Shard, packed_shard
+from ..placement import PackedShard, Shard, is_sharded, packed_shard
 from .core import (Decision, R, Unshardable, register, register_factory, replicate_all, shape_of, sharded_inputs,
                    with_dim)
 from ..annotations import annotation
@@ -129,6 +129,15 @@ def attention(node: Node, placements, axis_size: int) -> Decision:
 
 
 RING_AXES = ("ring",)
+
+
+def ring_split_axes(node: Node) -> list[str]:
+    """The ring axes whose planned placements split an attention's keys along their rows: that attention is a ring
+    attention over them (keys split along the batch, frames for an attention within each frame, are each rank's
+    own: no ring)."""
+    k, required = node.args[1], annotation(node).required or {}
+    return [axis for axis in RING_AXES if axis in required and is_sharded(keys := required[axis].get(k, R))
+            and keys.dim == len(shape_of(k)) - 2]
 
 
 def ring_attention(node: Node, placements, axis_size: int) -> Decision:

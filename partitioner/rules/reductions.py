@@ -140,8 +140,7 @@ def tensor_parallel_sum(node: Node, placements, axis_size: int) -> Decision:
     norm written out (``x.pow(2).mean(-1)``) over q/k projections costs one all_reduce of ``[rows, 1]``."""
     source = node.args[0]
     placement = placements.get(source, R)
-    if is_sharded(placement) and placement.dim in all_dims(node.args[1] if len(node.args) > 1 else None,
-                                                           len(shape_of(source))) and _projected(source):
+    if _over_sharded_dim(node, placement) and _projected(source):
         return Decision(Partial(), {source: placement})
     return reduction(node, placements, axis_size)
 
@@ -161,10 +160,15 @@ def sequence_sum(node: Node, placements, axis_size: int) -> Decision:
     sequence gathered. amax / amin over the rows stay refused (a partial maximum is not a partial sum)."""
     source = node.args[0]
     placement = placements.get(source, R)
-    if is_sharded(placement) and placement.dim in all_dims(node.args[1] if len(node.args) > 1 else None,
-                                                           len(shape_of(source))):
+    if _over_sharded_dim(node, placement):
         return Decision(Partial(), {source: placement})
     return reduction(node, placements, axis_size)
+
+
+def _over_sharded_dim(node: Node, placement) -> bool:
+    """A sum / mean ``node`` reduces over the dim ``placement`` shards its input along."""
+    dims = node.args[1] if len(node.args) > 1 else None
+    return is_sharded(placement) and placement.dim in all_dims(dims, len(shape_of(node.args[0])))
 
 
 def all_dims(dims, ndim: int) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from ...placement import Shard, is_sharded
-from ...rules.attention import RING_AXES
+from ...rules.attention import ring_split_axes
 from ...rules.conv import GROUPS_ARGUMENT
 from .errors import XlaBackendError
 from .layouts import (Nested, Packed, _fused, _packed_placement, _packed_ranks, nested_uneven, packed_spec,
@@ -125,10 +125,8 @@ class _Annotator(Interpreter):
         return target(*args, **kwargs)
 
     def _ring_axis(self, node: Node) -> str | None:
-        key = node.args[1]  # (split along its rows: keys split along the batch are each rank's own)
-        return next((axis for axis in RING_AXES if axis in self.mesh.axis_names and self.mesh.size(axis) > 1
-                     and is_sharded(keys := annotation(node).required.get(axis, {}).get(key))
-                     and keys.dim == key.meta["val"].dim() - 2), None)
+        return next((axis for axis in ring_split_axes(node) if axis in self.mesh.axis_names
+                     and self.mesh.size(axis) > 1), None)
 
     def _ring(self, node: Node, axis: str, args, kwargs):
         """An attention whose keys the ring shards (``ops._ring_attention``). Only equal blocks of a plain sequence
